@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Lo
 
 @pytest.fixture(scope="module")
 def sandbox():
-    return LocalSandbox(timeout_s=10, memory_limit_mb=1024, max_processes=32)
+    # A uid range of our own (other test runs here use the default 65000...), for the process checks.
+    uid = 65100 + os.getpid() % 400
+    return LocalSandbox(timeout_s=10, memory_limit_mb=1024, max_processes=32, sandbox_uid=uid, sandbox_gid=uid)
 
 
 def processes_of_uid(uid: int) -> list[int]:
@@ -117,28 +119,31 @@ def test_process_limit_holds_for_root_caller(sandbox):
 
 def test_write_outside_workdir_fails(sandbox):
     protected = tempfile.mkdtemp(prefix="async_rl_test_protected_")
-    os.chmod(protected, 0o755)  # root-owned, not writable by others (and read-only in the sandbox)
+    os.chmod(protected, 0o777)  # even a world-writable host directory must stay out of reach
     try:
         target = os.path.join(protected, "pwned.txt")
-        result = sandbox.run(f"open('inside.txt', 'w').write('ok')\nprint('inside ok')\nopen({target!r}, 'w').write('x')")
+        result = sandbox.run(
+            f"open('inside.txt', 'w').write('ok')\nprint('inside ok')\nopen({target!r}, 'w').write('x')"
+        )
         assert result.stdout == "inside ok\n"  # the working directory itself is writable
         assert result.error_kind == "runtime_error"
-        assert "PermissionError" in result.stderr or "Read-only file system" in result.stderr
+        assert "FileNotFoundError" in result.stderr  # the host's /tmp is not even there
         assert not os.path.exists(target)
+        for system_dir in ("/usr", "/etc", "/"):  # what is shown is read-only
+            probe = os.path.join(system_dir, "async_rl_probe")
+            denied = sandbox.run(f"open({probe!r}, 'w')")
+            assert denied.error_kind == "runtime_error" and not os.path.exists(probe)
+            assert "Read-only file system" in denied.stderr or "PermissionError" in denied.stderr
     finally:
         os.rmdir(protected)
 
 
-def test_world_writable_tmp_is_not_writable_with_mount_namespace(sandbox):
+def test_tmp_is_private_to_the_run(sandbox):
     marker = os.path.join(tempfile.gettempdir(), f"async_rl_sandbox_escape_{os.getpid()}")
-    result = sandbox.run(f"open({marker!r}, 'w').write('x')")
-    if sandbox.isolation.filesystem_readonly:
-        assert result.error_kind == "runtime_error" and "Read-only file system" in result.stderr
-        assert not os.path.exists(marker)
-    else:
-        assert any("mount namespace" in warning for warning in sandbox.isolation.warnings)
-        if os.path.exists(marker):
-            os.unlink(marker)
+    result = sandbox.run(f"open({marker!r}, 'w').write('x')\nimport os\nprint(os.listdir('/tmp'))")
+    assert result.ok and result.stdout == f"[{os.path.basename(marker)!r}]\n"  # writable, but private
+    assert not os.path.exists(marker)  # the host's /tmp never saw it
+    assert sandbox.run("import os\nprint(os.listdir('/tmp'), os.listdir('/dev/shm'))").stdout == "[] []\n"
 
 
 def test_network_is_blocked_when_isolated(sandbox):
@@ -283,3 +288,27 @@ def test_fusion_unreachable_server():
 def test_make_sandbox_rejects_unknown_kind():
     with pytest.raises(ValueError, match="valid kinds: fusion, local"):
         make_sandbox("docker")
+
+
+# ---------------------------------------------------------------------------------------------- setup errors
+
+
+def test_missing_bubblewrap_names_the_fix(monkeypatch):
+    from async_rl.sandbox import SandboxUnavailableError
+    from async_rl.sandbox import local as local_module
+
+    real_which = local_module.shutil.which
+    monkeypatch.setattr(local_module, "_CAPABILITY_CACHE", {})
+    monkeypatch.setattr(local_module.shutil, "which", lambda name, path=None: None if name == "bwrap" else real_which(name, path=path))
+    with pytest.raises(SandboxUnavailableError, match=r"apt-get install bubblewrap"):
+        LocalSandbox(timeout_s=5)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("memory_limit_mb", 0), ("max_processes", -1), ("max_concurrency", 0), ("tmpfs_size_mb", 1.5),
+     ("sandbox_uid", 0), ("timeout_s", 0)],
+)
+def test_bad_settings_fail_with_the_setting_named(setting, value):
+    with pytest.raises(ValueError, match=setting.split("_uid")[0]):
+        LocalSandbox(**{setting: value})

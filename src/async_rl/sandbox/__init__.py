@@ -1,7 +1,8 @@
 """Code execution sandboxes with one result type.
 
-* :class:`LocalSandbox` (``local``): contained child processes on this machine (Linux namespaces,
-  rlimits, privilege drop). See ``async_rl/sandbox/local.py`` for exactly what is isolated how.
+* :class:`LocalSandbox` (``local``): contained child processes on this machine (bubblewrap: an empty
+  root with only the interpreter, no network, own PIDs; a cgroup per run; one uid per concurrency slot).
+  See ``async_rl/sandbox/local.py`` for exactly what is isolated how, ``cgroup.py`` for the cgroups.
 * :class:`SandboxFusionClient` (``fusion``): HTTP client for a SandboxFusion server.
 
 Both expose ``run(code, timeout_s=None, stdin=None) -> SandboxResult`` and ``await arun(...)``.

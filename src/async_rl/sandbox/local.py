@@ -1,66 +1,85 @@
-"""Run untrusted Python code on this machine, contained. Linux only.
+"""Run untrusted Python code on this machine, contained by bubblewrap. Linux only.
 
     sandbox = LocalSandbox(timeout_s=10)
     result = sandbox.run("print(2 + 3)")     # SandboxResult(stdout='5\\n', exit_code=0, error_kind=None, ...)
 
-How one run is contained (what actually happens, outermost first)
-------------------------------------------------------------------
-1. The code is written to ``main.py`` in a fresh private working directory (``mkdtemp``, owned by the
-   sandbox user, mode 0700), removed afterwards.
-2. A *launcher* (this very file, run as ``python -I -S -c <load this file>``) is started in a new
-   session / process group (``start_new_session=True``) with a scrubbed environment. It runs as the
-   trainer's user (root here) only long enough to build the cage:
-   * ``unshare(CLONE_NEWNET)``: a network namespace with only a loopback device that is down, so every
-     connection (also to 127.0.0.1) fails with "Network is unreachable";
-   * ``unshare(CLONE_NEWNS)``: a private mount namespace in which every mount is re-mounted
-     read-only except the working directory (so ``/tmp``, ``/dev/shm``, the project tree and every
-     other place are unwritable even where file modes would allow it). Directories the sandbox user
-     cannot traverse but must (e.g. a Python under ``/root/.pyenv`` with ``/root`` at mode 0700) are
-     handled by mounting a tiny tmpfs over the blocking directory that contains only bind mounts of the
-     needed entries: the interpreter becomes reachable and the rest of ``/root`` stays hidden;
-   * ``unshare(CLONE_NEWPID)`` (+ ``CLONE_NEWIPC``): a PID namespace whose init is a small root-owned
-     reaper; when it exits or is killed, the kernel kills every process left in the namespace, even
-     ones that called ``setsid()`` to leave the process group;
-   * the user process then sets RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, RLIMIT_NOFILE,
-     RLIMIT_CORE=0, drops privileges (``setgroups([])``, ``setgid``, ``setuid`` to ``nobody``, 65534, by
-     default) and sets RLIMIT_NPROC: root ignores RLIMIT_NPROC, an unprivileged uid does not, so a
-     fork bomb hits the cap. ``PR_SET_NO_NEW_PRIVS`` stops setuid binaries from regaining
-     privileges, ``PR_SET_PDEATHSIG`` ties it to the reaper. Then it ``exec``s ``python -I -B -u main.py``.
-3. The caller reads stdout/stderr (keeping at most ``max_output_bytes`` per stream: head and tail),
-   and at the wall-clock deadline SIGKILLs the whole process group (``os.killpg``), which takes the
-   reaper and with it the PID namespace.
+How one run is contained (outermost first)
+------------------------------------------
+1. A *slot* is taken (``max_concurrency`` of them). Slot ``k`` has its own uid/gid, ``sandbox_uid + k`` /
+   ``sandbox_gid + k``, so concurrent runs are different users: RLIMIT_NPROC, which the kernel counts per
+   uid, is per run, and no run can signal or read another's processes.
+2. When a cgroup is available (see ``cgroup.py``), a fresh cgroup for this run with ``memory_limit_mb``
+   for **all its processes and tmpfs pages together** and ``pids.max = max_processes``. Without one, the
+   documented fallback: each process gets RLIMIT_AS of ``min(process_memory_mb, memory_limit_mb)`` and the
+   run at most ``memory_limit_mb // that`` processes (RLIMIT_NPROC of the slot uid), so the product cannot
+   exceed ``memory_limit_mb`` (the tmpfs mounts of step 3 come on top; only a cgroup counts them). Where
+   the cpu controller is available the run is also its own cpu cgroup: one scheduling entity, so a fork
+   bomb at its cap gets one run's share of the CPU.
+3. A tiny launcher (``python -I -S -c``, standard library, none of this project's files) joins that cgroup,
+   sets RLIMIT_CPU / AS / FSIZE / NOFILE / CORE=0, a niceness, ``PR_SET_PDEATHSIG`` (the run dies with the
+   trainer thread that started it) and ``exec``s **bwrap** with:
+   * new network, PID, IPC, UTS and cgroup namespaces (``--unshare-net`` also hides the host's abstract
+     Unix sockets, which live in the network namespace); ``--die-with-parent``, ``--new-session``;
+   * a new, empty root (tmpfs, remounted read-only) holding only read-only binds of ``/usr`` (and the
+     ``/bin``, ``/lib*``, ``/sbin`` links or dirs), the dynamic-loader files of ``/etc``, and the
+     interpreter's prefixes (``sys.prefix``, ``sys.base_prefix``, ...) plus ``site-packages`` /
+     ``dist-packages`` directories on its ``sys.path``. Nothing else of the host exists inside: not the
+     project (an editable install's ``src`` is not exposed), not ``recipes/data``, not the host's
+     ``/tmp``, ``/run``, ``/var/run`` or ``/dev/shm`` and so no Unix socket file of the host;
+   * a fresh ``/proc`` (only the run's processes) and a minimal ``/dev``;
+   * private, size-capped tmpfs mounts ``/workdir`` (the working directory, ``main.py`` in it), ``/tmp``
+     and ``/dev/shm`` (``tmpfs_size_mb`` each): they vanish with the mount namespace when the run ends,
+     so there is nothing on the host disk to remove however deep or large a tree the code builds;
+   * as root: all capabilities dropped except CAP_SETUID/SETGID/SETPCAP, and the command is
+     ``prlimit --nproc=N -- setpriv --reuid/--regid <slot ids> --clear-groups --inh-caps=-all
+     --bounding-set=-all --no-new-privs -- python -I -B -u /workdir/main.py`` (util-linux tools): the
+     process cap is set while still root (root ignores it), then the uid switch makes it bind and clears
+     every capability. Not as root: bwrap makes an unprivileged user namespace (``--disable-userns``
+     forbids nested ones) and the same ``prlimit`` applies (counted inside that user namespace only).
+4. The caller pumps stdout/stderr (at most ``max_output_bytes`` each, head and tail kept) and reads bwrap's
+   JSON status (the PID-namespace init's pid, then the exit code). At the deadline it SIGKILLs that init
+   through a pidfd (no pid-reuse race): the kernel then kills every process of the PID namespace, daemons
+   that called ``setsid()`` included. Cleanup waits for that init to be gone (which implies all of the
+   namespace is), kills and removes the run's cgroup, and reports any failure in
+   :attr:`SandboxResult.cleanup_error` rather than raising.
 
-What is available is detected once per process (``detect_isolation``) and verified with a smoke run;
-missing mechanisms are logged as warnings and reported in :attr:`LocalSandbox.isolation`
-(``strict=True`` turns them into errors). When the trainer does not run as root, the namespaces are
-created inside an unprivileged user namespace instead and no uid switch happens (then RLIMIT_NPROC is
-not set, because it would count all of the trainer user's processes).
+Why bubblewrap instead of hand-written namespace code
+-----------------------------------------------------
+The previous backend built the cage itself (ctypes ``unshare``/``mount``, a reaper as PID 1, a re-mount
+of every host mount read-only). To hide the host file system it would additionally need a new root with
+``pivot_root``, device nodes and a proc mount: the same job bubblewrap (used by Flatpak, packaged by
+every distribution) does in audited C. With bwrap the launcher is ~20 lines and the policy is a list of
+command-line flags; it is at least as strict (same namespaces, plus an empty root instead of a read-only
+view of the host, private ``/tmp``/``/dev/shm``, UTS/cgroup namespaces, no nested user namespaces when
+unprivileged). Cost: bwrap must be installed (``apt-get install bubblewrap``); without it construction
+fails with a message saying so.
 
-This module must stay importable on its own, with the standard library only: the launcher loads it by
-file path (so a heavy ``async_rl/__init__`` never slows down or breaks a sandbox run). That is why the
-shared :class:`SandboxResult` type lives here.
+Exit status: bwrap reports death by signal N as status ``128 + N`` (like a shell), so a status of 129–192
+is read as signal ``N`` (``exit_code = -N``); a program that itself exits with such a status is reported
+as killed by that signal.
+
+This module and ``cgroup.py`` use the standard library only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import math
 import os
-import resource
+import select
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+from . import cgroup as cgroups
 
 __all__ = [
     "IsolationReport",
@@ -84,15 +103,17 @@ class SandboxResult:
             (timeout, sandbox failure, unreachable server).
         timed_out: the wall-clock limit was hit and the program was killed.
         error_kind: None on success, else one of
-            ``"timeout"`` (wall clock), ``"cpu_limit"`` (RLIMIT_CPU), ``"memory"`` (MemoryError / memory
-            limit), ``"file_size"`` (RLIMIT_FSIZE), ``"killed"`` (any other signal),
-            ``"runtime_error"`` (non-zero exit, e.g. an uncaught exception),
+            ``"timeout"`` (wall clock), ``"cpu_limit"`` (RLIMIT_CPU), ``"memory"`` (MemoryError, or the
+            run's memory cgroup killed a process), ``"file_size"`` (RLIMIT_FSIZE), ``"killed"`` (any
+            other signal), ``"runtime_error"`` (non-zero exit, e.g. an uncaught exception),
             ``"sandbox_error"`` (the sandbox itself failed: not the code's fault),
             ``"unreachable"`` (remote sandbox could not be reached; see ``fusion``).
         wall_s: wall-clock seconds of the run.
         stdout_truncated, stderr_truncated: output was longer than the cap.
         detail: extra explanation for sandbox-side failures.
         process_group: id of the process group the run used (local backend; for diagnostics/tests).
+        cleanup_error: None when everything the run created is gone (processes, cgroup); else what is
+            left. The result itself is still valid.
     """
 
     stdout: str
@@ -105,6 +126,7 @@ class SandboxResult:
     stderr_truncated: bool = False
     detail: str | None = None
     process_group: int | None = None
+    cleanup_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-dict form (for logging / JSON)."""
@@ -130,13 +152,18 @@ class IsolationReport:
     """Which containment mechanisms a :class:`LocalSandbox` uses on this machine.
 
     Attributes:
-        network_isolated: runs in a fresh network namespace (no connectivity at all).
-        filesystem_readonly: private mount namespace with everything but the workdir read-only.
+        network_isolated: fresh network namespace (no interfaces up, no abstract Unix sockets of the host).
+        filesystem_readonly: an empty root with only read-only binds of the interpreter and system
+            libraries; writable places are the run's private tmpfs mounts.
         pid_namespace: private PID namespace (all leftovers die with the run).
-        privileges_dropped: runs as ``sandbox_uid`` instead of the caller's user.
-        process_limit: RLIMIT_NPROC value in force, or None when not enforceable.
-        user_namespace: namespaces were created via an unprivileged user namespace.
-        warnings: what is missing and why.
+        privileges_dropped: runs as a per-slot uid instead of the caller's user (caller is root).
+        process_limit: processes + threads one run may have (pids cgroup and/or RLIMIT_NPROC).
+        user_namespace: bwrap runs unprivileged inside a user namespace (caller is not root).
+        memory_scope: ``"cgroup"`` (``memory_limit_mb`` covers all processes of a run together) or
+            ``"per_process"`` (RLIMIT_AS per process x the process limit <= ``memory_limit_mb``).
+        per_process_memory_mb: RLIMIT_AS of each process.
+        slot_uids: the uid of each concurrency slot (empty when not root).
+        warnings: what is weaker than the full setup and why.
     """
 
     network_isolated: bool
@@ -145,396 +172,66 @@ class IsolationReport:
     privileges_dropped: bool
     process_limit: int | None
     user_namespace: bool = False
+    memory_scope: str = "per_process"
+    per_process_memory_mb: int | None = None
+    slot_uids: tuple[int, ...] = ()
     warnings: tuple[str, ...] = ()
 
 
-# --------------------------------------------------------------------------------------------------
-# Linux constants (from <sched.h>, <sys/mount.h>, <linux/prctl.h>); not all are in Python 3.11's os.
-# --------------------------------------------------------------------------------------------------
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWIPC = 0x08000000
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWPID = 0x20000000
-_CLONE_NEWNET = 0x40000000
-_NAMESPACE_FLAGS = {"net": _CLONE_NEWNET, "mount": _CLONE_NEWNS, "pid": _CLONE_NEWPID, "ipc": _CLONE_NEWIPC}
-
-_MS_RDONLY = 0x1
-_MS_NOSUID = 0x2
-_MS_NODEV = 0x4
-_MS_NOEXEC = 0x8
-_MS_REMOUNT = 0x20
-_MS_NOATIME = 0x400
-_MS_NODIRATIME = 0x800
-_MS_BIND = 0x1000
-_MS_REC = 0x4000
-_MS_PRIVATE = 0x40000
-_MS_RELATIME = 0x200000
-_MS_STRICTATIME = 0x1000000
-# Per-mount options that a bind remount must repeat, or the kernel clears them (or refuses, when locked).
-_PRESERVED_MOUNT_OPTIONS = {
-    "nosuid": _MS_NOSUID,
-    "nodev": _MS_NODEV,
-    "noexec": _MS_NOEXEC,
-    "noatime": _MS_NOATIME,
-    "nodiratime": _MS_NODIRATIME,
-    "relatime": _MS_RELATIME,
-    "strictatime": _MS_STRICTATIME,
-}
-_O_PATH = getattr(os, "O_PATH", 0o10000000)
-
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NO_NEW_PRIVS = 38
-
 _SCRIPT_NAME = "main.py"
+_WORKDIR = "/workdir"  # inside the sandbox; every run has its own (a tmpfs in its own mount namespace)
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+_LAUNCHER_SETUP_FAILED = 125
+# /etc entries the dynamic loader and libc need; nothing else of /etc (no passwd, hosts, ssl keys).
+_ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives")
+_TOP_LEVEL_SYSTEM = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
-# =================================================================================================
-# Launcher side (runs in the child process tree; standard library only, no module state)
-# =================================================================================================
-
-
-def _libc() -> ctypes.CDLL:
+# Joins the run's cgroup, sets the limits, ties itself to the trainer thread, then becomes bwrap. Runs with
+# -I -S (no site, no environment) from a string so that no file of this project is needed to start it.
+_LAUNCHER = r"""
+import ctypes, json, os, resource, sys
+config = json.loads(sys.argv[1])
+status_fd = config["status_fd"]
+try:
+    for procs in config["cgroup_procs"]:
+        with open(procs, "w") as handle:
+            handle.write(str(os.getpid()))
+    for name, soft, hard in config["rlimits"]:
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    if config["nice"]:
+        os.nice(config["nice"])
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
-    libc.unshare.argtypes = [ctypes.c_int]
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    return libc
+    if libc.prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != config["parent_pid"]:
+        raise RuntimeError("the trainer exited while the sandbox started")
+    os.set_inheritable(status_fd, False)
+    os.execv(config["argv"][0], config["argv"])
+except BaseException as exc:
+    os.write(status_fd, json.dumps({"setup_error": f"sandbox launcher: {type(exc).__name__}: {exc}"}).encode())
+    os._exit(125)
+"""
 
 
-def _check_libc(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+# --------------------------------------------------------------------------------------------------
+# What the sandbox exposes
+# --------------------------------------------------------------------------------------------------
 
 
-def _mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    encode = lambda value: value.encode() if value is not None else None  # noqa: E731
-    data_bytes = encode(data)
-    _check_libc(
-        libc.mount(encode(source), encode(target), encode(fstype), flags, data_bytes),
-        f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x})",
-    )
-
-
-def _unescape_mountinfo(path: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (``\\040``)."""
-    out, index = [], 0
-    while index < len(path):
-        if path[index] == "\\" and path[index + 1 : index + 4].isdigit():
-            out.append(chr(int(path[index + 1 : index + 4], 8)))
-            index += 4
-        else:
-            out.append(path[index])
-            index += 1
-    return "".join(out)
-
-
-def _read_mounts() -> list[tuple[str, int]]:
-    """``(mount_point, flags_to_preserve)`` for every mount visible to this process."""
-    mounts = []
-    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
-        for line in handle:
-            fields = line.split()
-            if len(fields) < 6:
-                continue
-            preserved = 0
-            for option in fields[5].split(","):
-                preserved |= _PRESERVED_MOUNT_OPTIONS.get(option, 0)
-            mounts.append((_unescape_mountinfo(fields[4]), preserved))
-    return mounts
-
-
-def _within(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
-def _write_status(status_fd: int, **fields: Any) -> None:
-    """One JSON line on the status pipe back to the caller (never on the code's stdout/stderr)."""
-    try:
-        os.write(status_fd, (json.dumps(fields) + "\n").encode())
-    except OSError:
-        pass
-
-
-def _build_mount_cage(libc: ctypes.CDLL, config: dict[str, Any], warnings: list[str]) -> None:
-    """In the new mount namespace: expose needed paths, make all but the workdir read-only."""
-    workdir = config["workdir"]
-    # Our changes must not propagate back to the host's mount namespace.
-    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
-
-    # Directories the sandbox user must traverse but cannot (e.g. /root at 0700): cover each with a
-    # tmpfs holding only bind mounts of the needed children. Children are opened (O_PATH) before the
-    # tmpfs hides them; shallow directories first so deeper ones are reached through the new binds.
-    for blocked_dir, children in config.get("expose", []):
-        handles = [(child, os.open(os.path.join(blocked_dir, child), _O_PATH)) for child in children]
-        try:
-            _mount(libc, "tmpfs", blocked_dir, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
-            for child, handle in handles:
-                target = os.path.join(blocked_dir, child)
-                if stat.S_ISDIR(os.fstat(handle).st_mode):
-                    os.mkdir(target, 0o755)
-                else:
-                    open(target, "w").close()
-                _mount(libc, f"/proc/self/fd/{handle}", target, None, _MS_BIND | _MS_REC)
-        finally:
-            for _, handle in handles:
-                os.close(handle)
-
-    # The workdir becomes its own mount so it can stay writable below a read-only parent.
-    _mount(libc, workdir, workdir, None, _MS_BIND | _MS_REC)
-    for mount_point, preserved in _read_mounts():
-        if _within(mount_point, workdir):
-            continue
-        try:
-            _mount(libc, None, mount_point, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | preserved)
-        except OSError as exc:
-            if mount_point == "/":
-                raise
-            warnings.append(f"could not make {mount_point} read-only: {exc}")
-
-
-def _enter_user_namespace(libc: ctypes.CDLL, extra_flags: int) -> None:
-    """Unprivileged path: new user namespace mapping our own uid/gid to themselves.
-
-    Identity mapping (not to root) means the code's ``exec`` drops the namespace capabilities we use
-    for the mounts, so the code cannot undo them.
-    """
-    uid, gid = os.getuid(), os.getgid()
-    _check_libc(libc.unshare(_CLONE_NEWUSER | extra_flags), "unshare(CLONE_NEWUSER)")
-    with open("/proc/self/setgroups", "w") as handle:
-        handle.write("deny")
-    with open("/proc/self/uid_map", "w") as handle:
-        handle.write(f"{uid} {uid} 1")
-    with open("/proc/self/gid_map", "w") as handle:
-        handle.write(f"{gid} {gid} 1")
-
-
-def _exec_user_code(config: dict[str, Any], status_fd: int, libc: ctypes.CDLL, reaper_pid: int) -> None:
-    """Final child: limits, privilege drop, then exec the interpreter on the script. Never returns."""
-    try:
-        limits = config["limits"]
-        for name, value in (
-            ("RLIMIT_CPU", limits.get("cpu_s")),
-            ("RLIMIT_AS", limits.get("address_space_bytes")),
-            ("RLIMIT_FSIZE", limits.get("file_size_bytes")),
-            ("RLIMIT_NOFILE", limits.get("open_files")),
-        ):
-            if value:
-                # CPU: soft limit sends SIGXCPU (reported as "cpu_limit"), hard limit 1 s later SIGKILLs.
-                hard = value + 1 if name == "RLIMIT_CPU" else value
-                resource.setrlimit(getattr(resource, name), (value, hard))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        os.chdir(config["workdir"])
-        os.umask(0o077)
-        if config.get("nice"):
-            os.nice(config["nice"])  # keep the trainer responsive when sandboxed code spins
-        if config["drop_privileges"]:
-            if limits.get("processes"):
-                # Set while still root; it binds once we are the unprivileged uid (root ignores it).
-                resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"], limits["processes"]))
-            os.setgroups([])
-            os.setgid(config["gid"])
-            os.setuid(config["uid"])
-            if os.getuid() != config["uid"] or os.geteuid() != config["uid"]:
-                raise RuntimeError("privilege drop did not take effect")
-            try:
-                os.setuid(0)
-            except PermissionError:
-                pass
-            else:
-                raise RuntimeError("privilege drop is reversible (setuid(0) succeeded)")
-        _check_libc(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-        # Set after the uid change: the kernel clears the parent-death signal on credential changes.
-        _check_libc(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
-        if os.getppid() != reaper_pid:
-            os._exit(125)  # the reaper died before PDEATHSIG was armed
-        os.set_inheritable(status_fd, False)
-        python = config["python"]
-        os.execve(python, [python, "-I", "-B", "-u", os.path.join(config["workdir"], _SCRIPT_NAME)], config["env"])
-    except BaseException as exc:  # noqa: BLE001 - report any setup failure, then die
-        _write_status(status_fd, setup_error=f"sandboxed process setup failed: {type(exc).__name__}: {exc}")
-    os._exit(126)
-
-
-def _reaper(config: dict[str, Any], status_fd: int, libc: ctypes.CDLL, launcher_pid: int) -> None:
-    """Middle process: PID 1 of the new PID namespace (when there is one). Never returns.
-
-    Forks the user process, reaps everything (an init's duty), reports the user process's status.
-    Its own exit tears down the PID namespace, killing any leftover process.
-    """
-    try:
-        _check_libc(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
-        # As PID 1 of a new namespace our parent lives outside it and getppid() reports 0.
-        expected_parent = 0 if config["namespaces"].get("pid") else launcher_pid
-        if os.getppid() != expected_parent:
-            _write_status(status_fd, setup_error="sandbox launcher died during start-up")
-            os._exit(125)
-        if config["namespaces"].get("pid") and config["namespaces"].get("mount"):
-            try:  # a /proc that shows only the sandbox's own processes
-                _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY)
-            except OSError:
-                pass
-        reaper_pid = os.getpid()
-        child = os.fork()
-        if child == 0:
-            _exec_user_code(config, status_fd, libc, reaper_pid)
-        while True:
-            try:
-                pid, wait_status = os.waitpid(-1, 0)
-            except ChildProcessError:
-                _write_status(status_fd, setup_error="sandboxed process vanished")
-                os._exit(0)
-            if pid == child:
-                break
-        if os.WIFSIGNALED(wait_status):
-            _write_status(status_fd, signal=os.WTERMSIG(wait_status))
-        else:
-            _write_status(status_fd, exit_code=os.waitstatus_to_exitcode(wait_status))
-    except BaseException as exc:  # noqa: BLE001
-        _write_status(status_fd, setup_error=f"sandbox reaper failed: {type(exc).__name__}: {exc}")
-    os._exit(0)
-
-
-def _launcher_run(config: dict[str, Any]) -> None:
-    status_fd = config["status_fd"]
-    warnings: list[str] = []
-    try:
-        libc = _libc()
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        namespaces = config["namespaces"]
-        flags = 0
-        for name, flag in _NAMESPACE_FLAGS.items():
-            if namespaces.get(name):
-                flags |= flag
-        if namespaces.get("user"):
-            _enter_user_namespace(libc, flags)
-        elif flags:
-            _check_libc(libc.unshare(flags), f"unshare({flags:#x})")
-        if namespaces.get("mount"):
-            _build_mount_cage(libc, config, warnings)
-    except BaseException as exc:  # noqa: BLE001
-        _write_status(status_fd, setup_error=f"sandbox launcher setup failed: {type(exc).__name__}: {exc}")
-        os._exit(125)
-    if warnings:
-        _write_status(status_fd, warnings=warnings)
-    launcher_pid = os.getpid()
-    # SIGUSR1 from the caller = "time is up": kill the reaper (and with it the PID namespace) and reap
-    # it here. The caller could SIGKILL the whole group itself, but then the reaper would be reparented
-    # to the host's init, which may take seconds to reap it, and the run would not end cleanly.
-    state: dict[str, Any] = {"reaper": None, "abort": False}
-
-    def abort(*_: Any) -> None:
-        state["abort"] = True
-        if state["reaper"]:
-            try:
-                os.kill(state["reaper"], signal.SIGKILL)
-            except OSError:
-                pass  # already gone
-
-    signal.signal(signal.SIGUSR1, abort)
-    reaper = os.fork()  # first child after unshare(CLONE_NEWPID): PID 1 of the new namespace
-    if reaper == 0:
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-        _reaper(config, status_fd, libc, launcher_pid)
-    state["reaper"] = reaper
-    if state["abort"]:
-        os.kill(reaper, signal.SIGKILL)
-    os.waitpid(reaper, 0)  # retried after the signal handler runs (PEP 475)
-    os._exit(0)
-
-
-def _launcher_probe(config: dict[str, Any]) -> None:
-    """Try each namespace kind in a throw-away child; print ``{"net": bool, ...}`` as JSON."""
-    libc = _libc()
-    use_user_namespace = config.get("user", False)
-    report: dict[str, Any] = {"errors": {}}
-    for name, flag in _NAMESPACE_FLAGS.items():
-        read_end, write_end = os.pipe()
-        child = os.fork()
-        if child == 0:
-            os.close(read_end)
-            try:
-                if use_user_namespace:
-                    _enter_user_namespace(libc, flag)
-                else:
-                    _check_libc(libc.unshare(flag), f"unshare({name})")
-                os.write(write_end, b"ok")
-            except BaseException as exc:  # noqa: BLE001
-                os.write(write_end, f"{type(exc).__name__}: {exc}".encode()[:500])
-            os._exit(0)
-        os.close(write_end)
-        answer = b""
-        while chunk := os.read(read_end, 1024):
-            answer += chunk
-        os.close(read_end)
-        os.waitpid(child, 0)
-        report[name] = answer == b"ok"
-        if answer != b"ok":
-            report["errors"][name] = answer.decode(errors="replace")
-    print(json.dumps(report))
-
-
-def _launcher_main(argv: list[str]) -> None:
-    """Entry point of the launcher process: ``argv = [mode, config_json]``."""
-    mode, config = argv[0], json.loads(argv[1])
-    if mode == "probe":
-        _launcher_probe(config)
-    elif mode == "run":
-        _launcher_run(config)
-    else:
-        raise SystemExit(f"unknown launcher mode {mode!r}")
-
-
-# Loads this file by path under a private name; registering in sys.modules first is required for
-# dataclasses. -S skips site: the launcher needs nothing but the standard library.
-_LAUNCHER_BOOTSTRAP = (
-    "import importlib.util as u, sys\n"
-    "s = u.spec_from_file_location('_async_rl_sandbox_launcher', sys.argv[1])\n"
-    "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m)\n"
-    "m._launcher_main(sys.argv[2:])\n"
-)
-
-
-def _launcher_command(mode: str, config: dict[str, Any]) -> list[str]:
-    return [sys.executable, "-I", "-S", "-c", _LAUNCHER_BOOTSTRAP, os.path.abspath(__file__), mode, json.dumps(config)]
-
-
-# =================================================================================================
-# Caller side
-# =================================================================================================
-
-
-def _user_can_search(path: str, uid: int, gid: int) -> bool:
-    """Would ``uid``/``gid`` (no supplementary groups) be allowed to traverse directory ``path``?"""
-    info = os.stat(path)
-    if info.st_uid == uid:
-        return bool(info.st_mode & stat.S_IXUSR)
-    if info.st_gid == gid:
-        return bool(info.st_mode & stat.S_IXGRP)
-    return bool(info.st_mode & stat.S_IXOTH)
-
-
-def _symlink_chain(path: str) -> list[str]:
-    """``path`` and every intermediate symlink target up to the real file (all must be reachable)."""
-    chain, current = [], os.path.abspath(path)
-    for _ in range(40):  # the kernel's own symlink limit
-        chain.append(current)
-        if not os.path.islink(current):
-            break
-        target = os.readlink(current)
-        current = os.path.normpath(os.path.join(os.path.dirname(current), target))
-    return chain
-
-
-def _interpreter_paths(python: str) -> list[str]:
-    """Paths the interpreter needs at run time (prefixes, sys.path), asked from the interpreter itself."""
+def _interpreter_paths(python: str) -> dict[str, Any]:
+    """Prefixes, sys.path and the executable's symlink targets, asked from the interpreter itself."""
     query = (
-        "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
-        "sys.base_exec_prefix] + [p for p in sys.path if p]))"
+        "import sys, json; print(json.dumps({'prefixes': [sys.prefix, sys.base_prefix, sys.exec_prefix, "
+        "sys.base_exec_prefix], 'path': [p for p in sys.path if p], 'version': list(sys.version_info[:2])}))"
     )
-    completed = subprocess.run(
-        [python, "-I", "-c", query], capture_output=True, text=True, timeout=60, env={"PATH": _DEFAULT_PATH}
-    )
+    try:
+        completed = subprocess.run(
+            [python, "-I", "-c", query], capture_output=True, text=True, timeout=60, env={"PATH": _DEFAULT_PATH}
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SandboxUnavailableError(
+            f"python_executable {python!r} cannot be started ({exc}). Pass python_executable= a working Python 3."
+        ) from None
     if completed.returncode != 0:
         raise SandboxUnavailableError(
             f"python_executable {python!r} does not run: {completed.stderr.strip()[-500:]}. "
@@ -543,40 +240,80 @@ def _interpreter_paths(python: str) -> list[str]:
     return json.loads(completed.stdout)
 
 
-def _exposure_plan(needed_paths: list[str], uid: int, gid: int) -> list[tuple[str, list[str]]]:
-    """``[(blocked_dir, [child, ...]), ...]``, shallowest first: directories on the way to a needed
-    path that ``uid`` cannot traverse, with the entries below them that must stay reachable."""
-    plan: dict[str, set[str]] = {}
-    for needed in needed_paths:
-        for candidate in {os.path.abspath(needed), os.path.realpath(needed)}:
-            if not os.path.exists(candidate):
-                continue
-            parts = candidate.strip("/").split("/")
-            for depth in range(len(parts)):
-                directory = "/" + "/".join(parts[:depth])
-                if not _user_can_search(directory, uid, gid):
-                    plan.setdefault(directory, set()).add(parts[depth])
-    return sorted(((d, sorted(c)) for d, c in plan.items()), key=lambda item: item[0].count("/") if item[0] != "/" else 0)
+def _symlink_chain(path: str) -> list[str]:
+    """``path`` and every intermediate symlink target up to the real file (all must exist inside)."""
+    chain, current = [], os.path.abspath(path)
+    for _ in range(40):  # the kernel's own symlink limit
+        chain.append(current)
+        if not os.path.islink(current):
+            break
+        current = os.path.normpath(os.path.join(os.path.dirname(current), os.readlink(current)))
+    return chain
 
 
-def _probe_namespaces(use_user_namespace: bool) -> dict[str, Any]:
-    completed = subprocess.run(
-        _launcher_command("probe", {"user": use_user_namespace}),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": _DEFAULT_PATH},
-    )
-    if completed.returncode != 0:
-        return {"errors": {"probe": completed.stderr.strip()[-500:]}}
-    return json.loads(completed.stdout)
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _exposed_directories(python: str) -> list[str]:
+    """Host directories bound read-only into the sandbox for the interpreter (besides /usr, /etc bits).
+
+    The interpreter's prefixes and its site-/dist-packages directories; *not* other sys.path entries
+    (an editable install's source tree, the current directory): the project stays invisible.
+    """
+    info = _interpreter_paths(python)
+    wanted = [os.path.dirname(p) for p in _symlink_chain(python)] + list(info["prefixes"])
+    wanted += [p for p in info["path"] if os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages")]
+    chosen: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in wanted} | {os.path.abspath(p) for p in wanted}, key=len):
+        if not os.path.isdir(path) or path == "/":
+            continue
+        if _within(path, "/usr") or any(_within(path, kept) for kept in chosen):
+            continue
+        chosen.append(path)
+    return chosen
+
+
+def _filesystem_arguments(exposed: list[str]) -> list[str]:
+    """bwrap arguments that build the new root (see the module docstring, step 3)."""
+    arguments = ["--ro-bind", "/usr", "/usr"]
+    for name in _TOP_LEVEL_SYSTEM:
+        host = "/" + name
+        if os.path.islink(host):
+            arguments += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            arguments += ["--ro-bind", host, host]
+    for name in _ETC_ENTRIES:
+        host = os.path.join("/etc", name)
+        if os.path.exists(host):
+            arguments += ["--ro-bind", host, host]
+    created: set[str] = set()
+    for directory in exposed:
+        # bwrap would create missing parents with mode 0700 (unusable for the slot uid): make them 0755.
+        parts = directory.strip("/").split("/")
+        for depth in range(1, len(parts)):
+            parent = "/" + "/".join(parts[:depth])
+            if parent not in created and not any(_within(parent, d) for d in exposed if d != directory):
+                arguments += ["--perms", "0755", "--dir", parent]
+                created.add(parent)
+        arguments += ["--ro-bind", directory, directory]
+    return arguments
+
+
+# --------------------------------------------------------------------------------------------------
+# Machine capabilities (probed once per configuration and process)
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Capabilities:
-    namespaces: dict[str, bool]
-    drop_privileges: bool
-    expose: list[tuple[str, list[str]]]
+    bwrap: str
+    bwrap_version: str
+    setpriv: str | None
+    prlimit: str
+    is_root: bool
+    layout: cgroups.CgroupLayout | None
+    filesystem: tuple[str, ...]
     report: IsolationReport
 
 
@@ -584,71 +321,131 @@ _CAPABILITY_CACHE: dict[tuple, _Capabilities] = {}
 _CAPABILITY_LOCK = threading.Lock()
 
 
+def _require_tool(name: str, package: str) -> str:
+    path = shutil.which(name, path=_DEFAULT_PATH + ":/usr/sbin:/sbin")
+    if path is None:
+        raise SandboxUnavailableError(
+            f"LocalSandbox needs {name!r}, which is not installed. Fix: apt-get install {package} "
+            f"(Debian/Ubuntu; dnf/pacman have the same package), or use the SandboxFusion backend "
+            "(env.sandbox.kind=fusion)."
+        )
+    return path
+
+
+def _memory_plan(memory_limit_mb: int, process_memory_mb: int, max_processes: int, cgroup_memory: bool) -> tuple[int, int]:
+    """``(per-process RLIMIT_AS in MB, processes per run)``; without a memory cgroup their product is
+    at most ``memory_limit_mb`` (module docstring, step 2)."""
+    if cgroup_memory:
+        return memory_limit_mb, max_processes
+    per_process = min(process_memory_mb, memory_limit_mb)
+    return per_process, max(1, min(max_processes, memory_limit_mb // per_process))
+
+
 def detect_isolation(
     python_executable: str | None = None,
-    sandbox_uid: int = 65534,
-    sandbox_gid: int = 65534,
-    base_dir: str | None = None,
-    max_processes: int | None = 64,
+    sandbox_uid: int = 65000,
+    sandbox_gid: int = 65000,
+    max_processes: int = 64,
+    memory_limit_mb: int = 1024,
+    process_memory_mb: int = 256,
+    max_concurrency: int = 4,
 ) -> IsolationReport:
-    """What containment works here (probed once per configuration and process, then cached)."""
-    return _detect_capabilities(python_executable or sys.executable, sandbox_uid, sandbox_gid,
-                                base_dir or tempfile.gettempdir(), max_processes).report
+    """What containment a LocalSandbox with these settings gets here (probed once, then cached).
+
+    Raises:
+        SandboxUnavailableError: bwrap (or, as root, setpriv/prlimit) is missing, or not Linux.
+    """
+    return _detect_capabilities(
+        os.path.abspath(python_executable or sys.executable), sandbox_uid, sandbox_gid, max_processes,
+        memory_limit_mb, process_memory_mb, max_concurrency,
+    ).report
 
 
-def _detect_capabilities(python: str, uid: int, gid: int, base_dir: str, max_processes: int | None) -> _Capabilities:
-    key = (python, uid, gid, base_dir, max_processes, os.geteuid())
+def _detect_capabilities(
+    python: str, uid: int, gid: int, max_processes: int, memory_limit_mb: int, process_memory_mb: int,
+    max_concurrency: int,
+) -> _Capabilities:
+    key = (python, uid, gid, max_processes, memory_limit_mb, process_memory_mb, max_concurrency, os.geteuid())
     with _CAPABILITY_LOCK:
         if key in _CAPABILITY_CACHE:
             return _CAPABILITY_CACHE[key]
-        warnings: list[str] = []
         if not sys.platform.startswith("linux"):
             raise SandboxUnavailableError("LocalSandbox needs Linux; use the SandboxFusion backend elsewhere")
+        bwrap = _require_tool("bwrap", "bubblewrap")
+        try:
+            bwrap_version = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxUnavailableError(f"{bwrap} --version failed ({exc}); reinstall bubblewrap") from None
+        prlimit = _require_tool("prlimit", "util-linux")
         is_root = os.geteuid() == 0
-        probe = _probe_namespaces(use_user_namespace=not is_root)
-        namespaces = {name: bool(probe.get(name)) for name in _NAMESPACE_FLAGS}
-        for name, error in probe.get("errors", {}).items():
-            warnings.append(f"{name} namespace unavailable ({error})")
-        if not is_root and any(namespaces.values()):
-            namespaces["user"] = True
-        expose: list[tuple[str, list[str]]] = []
+        setpriv = _require_tool("setpriv", "util-linux") if is_root else None
+        warnings: list[str] = []
+        layout, reasons = cgroups.probe(memory_limit_mb * 1024 * 1024, max_processes)
+        if layout is not None:
+            cgroups.remove_stale(layout)
+        cgroup_memory = layout is not None and layout.memory_parent is not None
+        if not cgroup_memory:
+            warnings.append(
+                "no memory cgroup (" + "; ".join(reasons or ["memory controller missing"]) + "): the memory "
+                "limit is per process; a run is capped at processes x per-process memory <= memory_limit_mb"
+            )
+        per_process_mb, processes = _memory_plan(memory_limit_mb, process_memory_mb, max_processes, cgroup_memory)
+        slot_uids: tuple[int, ...] = ()
         if is_root:
-            needed = _symlink_chain(python) + _interpreter_paths(python) + [base_dir]
-            expose = _exposure_plan(needed, uid, gid)
-            if expose and not namespaces["mount"]:
-                blocked = ", ".join(d for d, _ in expose)
-                raise SandboxUnavailableError(
-                    f"sandbox uid {uid} cannot reach {python!r} (blocked at {blocked}) and mount namespaces are "
-                    "unavailable to work around it. Fix: pass python_executable= an interpreter under "
-                    "world-readable directories (e.g. /usr/bin/python3), or run where unshare(CLONE_NEWNS) works."
+            slot_uids = tuple(uid + slot for slot in range(max_concurrency))
+            busy = sorted(_live_uids() & set(slot_uids))
+            if busy:
+                warnings.append(
+                    f"uids {busy} of the sandbox slots already run processes here; they share those slots' "
+                    "process limit. Pick another sandbox_uid range"
                 )
         else:
             warnings.append(
-                "not running as root: cannot switch to an unprivileged uid, so RLIMIT_NPROC is not set "
-                "(it would count all of this user's processes) and a fork bomb is only bounded by the "
-                "timeout and the PID namespace"
+                "not running as root: every run uses the trainer's own uid inside an unprivileged user "
+                "namespace (no per-slot uids); its process limit is counted inside that namespace"
             )
-        if not namespaces["net"]:
-            warnings.append("NO network isolation: sandboxed code can open network connections")
-        if not namespaces["mount"]:
-            warnings.append("no mount namespace: writes outside the workdir are limited by file permissions only "
-                            "(world-writable places such as /tmp and /dev/shm stay writable)")
-        if not namespaces["pid"]:
-            warnings.append("no PID namespace: processes that leave the process group (setsid) may outlive a run")
         report = IsolationReport(
-            network_isolated=namespaces["net"],
-            filesystem_readonly=namespaces["mount"],
-            pid_namespace=namespaces["pid"],
+            network_isolated=True,
+            filesystem_readonly=True,
+            pid_namespace=True,
             privileges_dropped=is_root,
-            process_limit=max_processes if is_root else None,
-            user_namespace=namespaces.get("user", False),
+            process_limit=processes,
+            user_namespace=not is_root,
+            memory_scope="cgroup" if cgroup_memory else "per_process",
+            per_process_memory_mb=per_process_mb,
+            slot_uids=slot_uids,
             warnings=tuple(warnings),
         )
         for warning in warnings:
             logger.warning("LocalSandbox: %s", warning)
-        capabilities = _Capabilities(namespaces, is_root, expose, report)
+        capabilities = _Capabilities(
+            bwrap, bwrap_version, setpriv, prlimit, is_root, layout, tuple(_filesystem_arguments(_exposed_directories(python))),
+            report,
+        )
         _CAPABILITY_CACHE[key] = capabilities
         return capabilities
+
+
+def _live_uids() -> set[int]:
+    """Real uids of the live processes on this machine (as seen from here)."""
+    uids: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as handle:
+                for line in handle:
+                    if line.startswith("Uid:"):
+                        uids.add(int(line.split()[1]))
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return uids
+
+
+# --------------------------------------------------------------------------------------------------
+# Caller side helpers
+# --------------------------------------------------------------------------------------------------
 
 
 class _CappedBuffer:
@@ -687,125 +484,130 @@ def _kill_group(process_group: int) -> None:
         pass
 
 
-def _group_has_live_members(process_group: int) -> bool:
-    """Any process (not a zombie) in ``process_group``? Zombies are dead: they only wait to be reaped,
-    which for orphans is up to the host's init and can take a while."""
-    try:
-        os.killpg(process_group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command name: state, ppid, pgrp, ...
-        if int(fields[2]) == process_group and fields[0] != b"Z":
-            return True
-    return False
-
-
-def _wait_group_gone(process_group: int, timeout_s: float) -> bool:
-    """Wait until no live process of the group is left, re-killing meanwhile."""
-    deadline = time.monotonic() + timeout_s
+def _json_documents(data: bytes) -> list[dict[str, Any]]:
+    """bwrap's ``--json-status-fd`` stream: JSON objects one after another (whitespace between)."""
+    decoder, text, index, documents = json.JSONDecoder(), data.decode("utf-8", errors="replace"), 0, []
     while True:
-        if not _group_has_live_members(process_group):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        _kill_group(process_group)
-        time.sleep(0.01)
+        while index < len(text) and text[index].isspace():
+            index += 1
+        if index >= len(text):
+            return documents
+        try:
+            document, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return documents
+        if isinstance(document, dict):
+            documents.append(document)
+
+
+@dataclass
+class _Run:
+    """Host-side state of one run, everything cleanup needs."""
+
+    process: subprocess.Popen | None = None
+    init_pidfd: int | None = None  # the PID namespace's init (bwrap's child): its exit ends the namespace
+    cgroup: cgroups.RunCgroup | None = None
+    fds: list[int] = field(default_factory=list)
 
 
 class LocalSandbox:
-    """Run Python code in a contained child process on this machine (see the module docstring).
+    """Run Python code in a bubblewrap cage on this machine (see the module docstring).
 
     Args:
         timeout_s: default wall-clock limit per run (python start-up included).
-        memory_limit_mb: RLIMIT_AS of the code's process (virtual memory, so leave room for imports).
-        cpu_time_limit_s: RLIMIT_CPU; default ``ceil(timeout_s) + 1``.
+        memory_limit_mb: memory of one run, all its processes (and its tmpfs files) together, when a
+            memory cgroup is available; also each process's RLIMIT_AS (virtual memory: leave room for
+            imports). Without a cgroup see ``process_memory_mb``.
+        process_memory_mb: only without a memory cgroup: RLIMIT_AS per process; a run may then have
+            ``memory_limit_mb // process_memory_mb`` processes (at most ``max_processes``).
+        cpu_time_limit_s: RLIMIT_CPU per process; default ``ceil(timeout_s) + 1``.
         max_file_size_mb: RLIMIT_FSIZE, the largest file the code may write.
+        tmpfs_size_mb: size of each private tmpfs (``/workdir``, ``/tmp``, ``/dev/shm``).
         max_open_files: RLIMIT_NOFILE.
-        max_processes: RLIMIT_NPROC for the sandbox uid (processes + threads). NOTE: the kernel counts
-            this per uid across the machine, so concurrent runs under the same uid share it.
+        max_processes: processes + threads of one run (pids cgroup, where bwrap's own two count too, and
+            RLIMIT_NPROC of the slot uid).
         max_output_bytes: cap per stream on captured stdout/stderr (head and tail kept).
-        max_concurrency: concurrent runs through this instance; more callers wait.
+        max_concurrency: concurrent runs through this instance (one uid each); more callers wait.
         python_executable: interpreter for the code (default: the current one, with its packages).
-        sandbox_uid, sandbox_gid: unprivileged identity used when the caller is root.
-        base_dir: where per-run working directories are created (default: the system temp dir).
+        sandbox_uid, sandbox_gid: ids of slot 0 when the caller is root; slot k uses ``+ k``. The default
+            65000 starts Debian's never-assigned 65000-65533 range.
         extra_env: additional environment variables for the code.
         nice: niceness added to the code's processes (a spinning program must not starve the trainer).
-        strict: raise :class:`SandboxUnavailableError` unless network isolation, a read-only file
-            system, a PID namespace and (as root) a process limit are all in force.
+        strict: raise :class:`SandboxUnavailableError` unless the run's memory is limited by a cgroup and
+            runs use per-slot uids (the caller is root).
 
     Raises:
         SandboxUnavailableError: the sandbox cannot run code here (the message says why and how to fix).
+        ValueError: a setting is out of range (the message names it).
     """
 
     def __init__(
         self,
         timeout_s: float = 10.0,
         memory_limit_mb: int = 1024,
+        process_memory_mb: int = 256,
         cpu_time_limit_s: int | None = None,
         max_file_size_mb: int = 16,
+        tmpfs_size_mb: int = 64,
         max_open_files: int = 256,
         max_processes: int = 64,
         max_output_bytes: int = 64 * 1024,
         max_concurrency: int = 4,
         python_executable: str | None = None,
-        sandbox_uid: int = 65534,
-        sandbox_gid: int = 65534,
-        base_dir: str | None = None,
+        sandbox_uid: int = 65000,
+        sandbox_gid: int = 65000,
         extra_env: dict[str, str] | None = None,
         nice: int = 10,
         strict: bool = False,
     ) -> None:
-        if timeout_s <= 0:
+        if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if sandbox_uid == 0 or sandbox_gid == 0:
-            raise ValueError("sandbox_uid/sandbox_gid must not be 0 (root); use an unprivileged id such as 65534")
+        for name, value in (
+            ("memory_limit_mb", memory_limit_mb), ("process_memory_mb", process_memory_mb),
+            ("max_file_size_mb", max_file_size_mb), ("tmpfs_size_mb", tmpfs_size_mb),
+            ("max_open_files", max_open_files), ("max_processes", max_processes),
+            ("max_output_bytes", max_output_bytes), ("max_concurrency", max_concurrency),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if cpu_time_limit_s is not None and (not isinstance(cpu_time_limit_s, int) or cpu_time_limit_s < 1):
+            raise ValueError(f"cpu_time_limit_s must be an integer >= 1 or None, got {cpu_time_limit_s!r}")
+        if sandbox_uid < 1 or sandbox_gid < 1:
+            raise ValueError(
+                f"sandbox_uid/sandbox_gid must be >= 1 (never root), got {sandbox_uid}/{sandbox_gid}; "
+                "use an unprivileged range such as 65000"
+            )
         self.timeout_s = timeout_s
         self.memory_limit_mb = memory_limit_mb
+        self.process_memory_mb = process_memory_mb
         self.cpu_time_limit_s = cpu_time_limit_s
         self.max_file_size_mb = max_file_size_mb
+        self.tmpfs_size_mb = tmpfs_size_mb
         self.max_open_files = max_open_files
         self.max_processes = max_processes
         self.max_output_bytes = max_output_bytes
+        self.max_concurrency = max_concurrency
         self.python_executable = os.path.abspath(python_executable or sys.executable)
         self.sandbox_uid = sandbox_uid
         self.sandbox_gid = sandbox_gid
-        self.base_dir = os.path.abspath(base_dir or tempfile.gettempdir())
         self.extra_env = dict(extra_env or {})
         self.nice = nice
-        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self._free_slots = list(range(max_concurrency))
+        self._slots_changed = threading.Condition()
         self._capabilities = _detect_capabilities(
-            self.python_executable, sandbox_uid, sandbox_gid, self.base_dir, max_processes
+            self.python_executable, sandbox_uid, sandbox_gid, max_processes, memory_limit_mb,
+            process_memory_mb, max_concurrency,
         )
-        self._smoke_test()
         if strict:
             report = self._capabilities.report
-            missing = [
-                name
-                for name, ok in (
-                    ("network isolation", report.network_isolated),
-                    ("read-only filesystem", report.filesystem_readonly),
-                    ("PID namespace", report.pid_namespace),
-                    ("process limit", report.process_limit is not None),
-                )
-                if not ok
-            ]
+            missing = [name for name, ok in (("a memory cgroup", report.memory_scope == "cgroup"),
+                                             ("per-slot uids (run as root)", report.privileges_dropped)) if not ok]
             if missing:
                 raise SandboxUnavailableError(
                     f"strict LocalSandbox: missing {', '.join(missing)} ({'; '.join(report.warnings)}). "
-                    "Run as root on Linux with namespaces allowed, or use the SandboxFusion backend."
+                    "Run as root with a writable cgroup hierarchy, or use the SandboxFusion backend."
                 )
+        self._smoke_test()
 
     # -- public ------------------------------------------------------------------------------------
 
@@ -821,13 +623,20 @@ class LocalSandbox:
     def run(self, code: str, timeout_s: float | None = None, stdin: str | None = None) -> SandboxResult:
         """Execute ``code`` as a Python script; blocks until done (at most about ``timeout_s`` + 1 s).
 
-        Infrastructure failures are reported as ``error_kind="sandbox_error"``, never raised.
+        Whatever the code does, this returns a :class:`SandboxResult`: infrastructure failures are
+        ``error_kind="sandbox_error"`` and leftovers are reported in ``cleanup_error``.
+
+        Raises:
+            ValueError: ``timeout_s`` is not positive (a caller bug, not the code's doing).
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if timeout <= 0:
+        if not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout}")
-        with self._slots:
-            return self._run_once(code, timeout, stdin)
+        slot = self._take_slot()
+        try:
+            return self._run_once(code, timeout, stdin, slot)
+        finally:
+            self._give_slot(slot)
 
     async def arun(self, code: str, timeout_s: float | None = None, stdin: str | None = None) -> SandboxResult:
         """``await``-able :meth:`run` (runs in a worker thread; the event loop is never blocked)."""
@@ -842,133 +651,184 @@ class LocalSandbox:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    # -- slots -------------------------------------------------------------------------------------
+
+    def _take_slot(self) -> int:
+        """The lowest free slot (so a lone caller always runs as ``sandbox_uid``); waits when none is free."""
+        with self._slots_changed:
+            while not self._free_slots:
+                self._slots_changed.wait()
+            slot = min(self._free_slots)
+            self._free_slots.remove(slot)
+            return slot
+
+    def _give_slot(self, slot: int) -> None:
+        with self._slots_changed:
+            self._free_slots.append(slot)
+            self._slots_changed.notify()
+
     # -- internals ---------------------------------------------------------------------------------
 
     def _smoke_test(self) -> None:
-        """Run a trivial program through the full cage; fall back once from a failing mount cage."""
-        result = self._run_once("print('sandbox-ok')", max(self.timeout_s, 30.0), None)
-        capabilities = self._capabilities
-        failed = result.stdout.strip() != "sandbox-ok" or result.exit_code != 0
-        if failed and capabilities.namespaces.get("mount") and not capabilities.expose:
-            # unshare(CLONE_NEWNS) worked in the probe but building the read-only cage did not (some
-            # container runtimes refuse remounts): keep the other protections rather than none.
-            reason = f"read-only mount cage failed ({result.detail}); running without it"
-            logger.warning("LocalSandbox: %s", reason)
-            namespaces = dict(capabilities.namespaces, mount=False)
-            report = replace(
-                capabilities.report, filesystem_readonly=False, warnings=capabilities.report.warnings + (reason,)
-            )
-            self._capabilities = replace(capabilities, namespaces=namespaces, report=report)
-            result = self._run_once("print('sandbox-ok')", max(self.timeout_s, 30.0), None)
-            failed = result.stdout.strip() != "sandbox-ok" or result.exit_code != 0
-        if failed:
+        """Run a trivial program through the full cage once, so that a broken setup fails here, loudly."""
+        result = self.run("print('sandbox-ok')", timeout_s=max(self.timeout_s, 30.0))
+        if result.stdout.strip() != "sandbox-ok" or result.exit_code != 0:
             raise SandboxUnavailableError(
                 "LocalSandbox self-test failed: "
                 f"error_kind={result.error_kind} exit_code={result.exit_code} detail={result.detail!r} "
-                f"stderr={result.stderr[-800:]!r}. Check python_executable ({self.python_executable}) is "
-                f"usable by uid {self.sandbox_uid}, or see IsolationReport warnings: {self.isolation.warnings}"
+                f"stderr={result.stderr[-800:]!r}. Needs bubblewrap >= 0.8 (found {self._capabilities.bwrap_version!r}). "
+                "If bwrap says it cannot create namespaces, run where "
+                "unshare is allowed (e.g. a container with CAP_SYS_ADMIN or unprivileged user namespaces); "
+                f"if python cannot start, check python_executable ({self.python_executable}) and "
+                f"memory_limit_mb/process_memory_mb (per process now {self.isolation.per_process_memory_mb} MB)."
             )
 
-    def _run_config(self, workdir: str, timeout_s: float, status_fd: int) -> dict[str, Any]:
-        capabilities = self._capabilities
+    def _environment(self) -> dict[str, str]:
         env = {
             "PATH": _DEFAULT_PATH,
             "LANG": "C.UTF-8",
             "LC_ALL": "C.UTF-8",
-            "HOME": workdir,
-            "TMPDIR": workdir,
+            "HOME": _WORKDIR,
+            "TMPDIR": "/tmp",
+            "USER": "sandbox",
+            "LOGNAME": "sandbox",
             "PYTHONDONTWRITEBYTECODE": "1",
             # Native thread pools reserve lots of virtual memory per thread (RLIMIT_AS) and each
-            # thread counts against RLIMIT_NPROC: one thread is plenty for tool calls.
+            # thread counts against the process limit: one thread is plenty for tool calls.
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
             "MPLBACKEND": "Agg",
-            "MPLCONFIGDIR": workdir,
+            "MPLCONFIGDIR": _WORKDIR,
         }
         env.update(self.extra_env)
+        return env
+
+    def _command(self, slot: int, code_fd: int, status_fd: int) -> list[str]:
+        """The bwrap command line of one run (module docstring, step 3)."""
+        capabilities = self._capabilities
+        tmpfs_bytes = str(self.tmpfs_size_mb * 1024 * 1024)
+        argv = [
+            capabilities.bwrap,
+            "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--die-with-parent", "--new-session",
+            "--json-status-fd", str(status_fd),
+        ]
+        if capabilities.is_root:
+            # Keep only what setpriv needs to switch to the slot uid; that switch clears these too.
+            argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                     "--cap-add", "CAP_SETPCAP"]
+        else:
+            argv += ["--unshare-user", "--disable-userns"]
+        argv += list(capabilities.filesystem)
+        argv += [
+            "--proc", "/proc", "--dev", "/dev",
+            "--perms", "1777", "--size", tmpfs_bytes, "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", tmpfs_bytes, "--tmpfs", "/dev/shm",
+            "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/var",
+            "--symlink", "../run", "/var/run", "--symlink", "../tmp", "/var/tmp",
+            # 0777: the run is alone in its mount namespace, and the slot uid must be able to write here.
+            "--perms", "0777", "--size", tmpfs_bytes, "--tmpfs", _WORKDIR,
+            "--perms", "0644", "--file", str(code_fd), f"{_WORKDIR}/{_SCRIPT_NAME}",
+            "--remount-ro", "/",
+            "--chdir", _WORKDIR,
+            "--",
+        ]
+        processes = capabilities.report.process_limit
+        argv += [capabilities.prlimit, f"--nproc={processes}:{processes}", "--"]
+        if capabilities.is_root:
+            argv += [capabilities.setpriv, f"--reuid={self.sandbox_uid + slot}", f"--regid={self.sandbox_gid + slot}",
+                     "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        argv += [self.python_executable, "-I", "-B", "-u", f"{_WORKDIR}/{_SCRIPT_NAME}"]
+        return argv
+
+    def _launcher_config(self, argv: list[str], cgroup: cgroups.RunCgroup | None, timeout_s: float,
+                         status_fd: int) -> dict[str, Any]:
+        per_process_bytes = self._capabilities.report.per_process_memory_mb * 1024 * 1024
         cpu_s = self.cpu_time_limit_s or int(math.ceil(timeout_s)) + 1
         return {
-            "workdir": workdir,
-            "python": self.python_executable,
-            "env": env,
-            "uid": self.sandbox_uid,
-            "gid": self.sandbox_gid,
-            "drop_privileges": capabilities.drop_privileges,
-            "namespaces": capabilities.namespaces,
-            "expose": capabilities.expose,
+            "argv": argv,
             "status_fd": status_fd,
+            "parent_pid": os.getpid(),
             "nice": self.nice,
-            "limits": {
-                "cpu_s": cpu_s,
-                "address_space_bytes": self.memory_limit_mb * 1024 * 1024 if self.memory_limit_mb else None,
-                "file_size_bytes": self.max_file_size_mb * 1024 * 1024 if self.max_file_size_mb else None,
-                "open_files": self.max_open_files,
-                "processes": self.max_processes if capabilities.drop_privileges else None,
-            },
+            "cgroup_procs": cgroup.procs_files if cgroup else [],
+            "rlimits": [
+                ["RLIMIT_CORE", 0, 0],
+                # CPU: the soft limit sends SIGXCPU (reported as "cpu_limit"), the hard one SIGKILLs 1 s later.
+                ["RLIMIT_CPU", cpu_s, cpu_s + 1],
+                ["RLIMIT_AS", per_process_bytes, per_process_bytes],
+                ["RLIMIT_FSIZE", self.max_file_size_mb * 1024 * 1024, self.max_file_size_mb * 1024 * 1024],
+                ["RLIMIT_NOFILE", self.max_open_files, self.max_open_files],
+            ],
         }
 
-    def _make_workdir(self) -> str:
-        workdir = tempfile.mkdtemp(prefix="async_rl_sandbox_", dir=self.base_dir)
-        if self._capabilities.drop_privileges:
-            os.chown(workdir, self.sandbox_uid, self.sandbox_gid)
-        os.chmod(workdir, 0o700)
-        return workdir
-
-    def _run_once(self, code: str, timeout_s: float, stdin: str | None) -> SandboxResult:
+    def _run_once(self, code: str, timeout_s: float, stdin: str | None, slot: int) -> SandboxResult:
         started = time.monotonic()
-        workdir = self._make_workdir()
-        status_read, status_write = os.pipe()
-        stdin_file = None
-        process = None
+        run = _Run()
         try:
-            script = os.path.join(workdir, _SCRIPT_NAME)
-            with open(script, "w", encoding="utf-8") as handle:
-                handle.write(code)
-            if self._capabilities.drop_privileges:
-                os.chown(script, self.sandbox_uid, self.sandbox_gid)
-            if stdin is not None:
-                stdin_file = tempfile.TemporaryFile()  # anonymous: not visible in the workdir
-                stdin_file.write(stdin.encode("utf-8"))
-                stdin_file.seek(0)
-            config = self._run_config(workdir, timeout_s, status_write)
-            process = subprocess.Popen(
-                _launcher_command("run", config),
-                stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(status_write,),
-                start_new_session=True,  # own process group: one killpg reaches everything
-                env={"PATH": _DEFAULT_PATH, "LANG": "C.UTF-8"},
-                cwd="/",
-            )
-            os.close(status_write)
-            status_write = -1
-            return self._collect(process, status_read, started, timeout_s)
-        except OSError as exc:
-            return SandboxResult("", "", None, False, "sandbox_error", time.monotonic() - started,
-                                 detail=f"could not start the sandbox: {exc}")
-        finally:
-            if process is not None:
-                _kill_group(process.pid)
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-            for fd in (status_read, status_write):
-                if fd >= 0:
-                    os.close(fd)
-            if stdin_file is not None:
-                stdin_file.close()
-            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                result = self._start_and_collect(run, code, timeout_s, stdin, slot, started)
+            except Exception as exc:  # noqa: BLE001 - never let the sandbox's own trouble escape run()
+                result = SandboxResult("", "", None, False, "sandbox_error", time.monotonic() - started,
+                                       detail=f"sandbox failure: {type(exc).__name__}: {exc}")
+        finally:  # also on KeyboardInterrupt: never leave a run's processes or cgroup behind
+            cleanup_error = self._clean_up(run)
+        result.cleanup_error = cleanup_error
+        if result.cleanup_error:
+            logger.warning("LocalSandbox: cleanup incomplete: %s", result.cleanup_error)
+        return result
 
-    def _collect(self, process: subprocess.Popen, status_read: int, started: float, timeout_s: float) -> SandboxResult:
+    def _start_and_collect(self, run: _Run, code: str, timeout_s: float, stdin: str | None, slot: int,
+                           started: float) -> SandboxResult:
+        layout = self._capabilities.layout
+        if layout is not None:
+            memory = self.memory_limit_mb * 1024 * 1024
+            try:
+                run.cgroup = cgroups.RunCgroup.create(layout, memory, self.max_processes)
+            except OSError as exc:
+                return SandboxResult("", "", None, False, "sandbox_error", time.monotonic() - started,
+                                     detail=f"could not create the run's cgroup: {exc}")
+        # The program and stdin travel in anonymous memory files: nothing of the run touches the host disk.
+        code_fd = os.memfd_create("main.py")
+        run.fds.append(code_fd)
+        os.write(code_fd, code.encode("utf-8", errors="surrogatepass"))
+        os.lseek(code_fd, 0, os.SEEK_SET)
+        stdin_fd = None
+        if stdin is not None:
+            stdin_fd = os.memfd_create("stdin")
+            run.fds.append(stdin_fd)
+            os.write(stdin_fd, stdin.encode("utf-8", errors="surrogatepass"))
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+        launcher_read, launcher_write = os.pipe()
+        bwrap_read, bwrap_write = os.pipe()
+        run.fds += [launcher_read, launcher_write, bwrap_read, bwrap_write]
+        argv = self._command(slot, code_fd, bwrap_write)
+        config = self._launcher_config(argv, run.cgroup, timeout_s, launcher_write)
+        run.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(config)],
+            stdin=stdin_fd if stdin_fd is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(code_fd, launcher_write, bwrap_write),
+            start_new_session=True,  # own process group: one killpg reaches the launcher/bwrap
+            env=self._environment(),
+            cwd="/",
+        )
+        for fd in (launcher_write, bwrap_write, code_fd):  # the child has them now
+            os.close(fd)
+            run.fds.remove(fd)
+        return self._collect(run, launcher_read, bwrap_read, started, timeout_s)
+
+    def _collect(self, run: _Run, launcher_read: int, bwrap_read: int, started: float,
+                 timeout_s: float) -> SandboxResult:
         """Pump the pipes until the run ends or the deadline passes; then classify the outcome."""
+        process = run.process
         deadline = started + timeout_s
         stdout_fd, stderr_fd = process.stdout.fileno(), process.stderr.fileno()
         buffers = {stdout_fd: _CappedBuffer(self.max_output_bytes), stderr_fd: _CappedBuffer(self.max_output_bytes)}
-        status_bytes = bytearray()
+        status_bytes = {launcher_read: bytearray(), bwrap_read: bytearray()}
         selector = selectors.DefaultSelector()
-        for fd in (*buffers, status_read):
+        for fd in (*buffers, launcher_read, bwrap_read):
             selector.register(fd, selectors.EVENT_READ)
         timed_out = False
         finish_by: float | None = None  # once set: the run is over, drain pipes until then at most
@@ -976,12 +836,10 @@ class LocalSandbox:
             while selector.get_map():
                 now = time.monotonic()
                 if finish_by is None and process.poll() is not None:
-                    # Launcher gone => user process done. Kill stragglers that still hold the pipes.
-                    _kill_group(process.pid)
-                    finish_by = now + 0.5
+                    finish_by = now + 0.5  # bwrap gone => the namespace is gone; drain what is buffered
                 if finish_by is None and now >= deadline:
                     timed_out = True
-                    self._stop(process)
+                    self._stop(run)
                     finish_by = time.monotonic() + 0.5
                 if finish_by is not None and now >= finish_by:
                     break
@@ -990,37 +848,26 @@ class LocalSandbox:
                     data = os.read(key.fd, 65536)
                     if not data:
                         selector.unregister(key.fd)
-                    elif key.fd == status_read:
-                        status_bytes += data
+                    elif key.fd in status_bytes:
+                        status_bytes[key.fd] += data
+                        if key.fd == bwrap_read and run.init_pidfd is None:
+                            self._track_init(run, status_bytes[bwrap_read])
                     else:
                         buffers[key.fd].add(data)
         finally:
             selector.close()
-        _kill_group(process.pid)
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if not _wait_group_gone(process.pid, 2.0):
-            logger.warning("sandbox process group %d still has members after SIGKILL", process.pid)
-        process.stdout.close()
-        process.stderr.close()
         wall_s = time.monotonic() - started
+        self._stop(run)
 
         status: dict[str, Any] = {}
-        for line in status_bytes.decode(errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "warnings" in entry:
-                for warning in entry.pop("warnings"):
-                    logger.warning("LocalSandbox: %s", warning)
-            status.update(entry)
+        for document in _json_documents(bytes(status_bytes[bwrap_read])) + _json_documents(
+            bytes(status_bytes[launcher_read])
+        ):
+            status.update(document)
         stdout, stdout_truncated = buffers[stdout_fd].text()
         stderr, stderr_truncated = buffers[stderr_fd].text()
-        exit_code, error_kind, detail = self._classify(status, timed_out, stderr, timeout_s)
+        oom_kills = run.cgroup.oom_kills() if run.cgroup else 0
+        exit_code, error_kind, detail = self._classify(status, timed_out, stderr, timeout_s, oom_kills)
         return SandboxResult(
             stdout=stdout,
             stderr=stderr,
@@ -1035,33 +882,114 @@ class LocalSandbox:
         )
 
     @staticmethod
-    def _stop(process: subprocess.Popen) -> None:
-        """Kill a running sandbox: ask the launcher (SIGUSR1) to kill its reaper, which takes the PID
-        namespace down and is reaped promptly; SIGKILL the whole group if that does not finish in 1 s."""
+    def _track_init(run: _Run, status: bytes) -> None:
+        """Open a pidfd on the PID namespace's init as soon as bwrap names it."""
+        for document in _json_documents(status):
+            pid, namespace = document.get("child-pid"), document.get("pid-namespace")
+            if not isinstance(pid, int) or pid <= 0:
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                return  # already gone (then so is its namespace)
+            try:
+                # Same process still? (Its pid could in theory have been reused since bwrap wrote it.)
+                same = namespace is None or os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace
+            except OSError:
+                same = False
+            if same:
+                run.init_pidfd = pidfd
+            else:
+                os.close(pidfd)
+            return
+
+    @staticmethod
+    def _stop(run: _Run) -> None:
+        """Kill the run: the namespace's init first (the kernel then kills every process in it, and bwrap,
+        its parent, reaps it), then bwrap and the launcher's whole group."""
+        if run.init_pidfd is not None:
+            try:
+                signal.pidfd_send_signal(run.init_pidfd, signal.SIGKILL)
+            except OSError:
+                pass  # already exited
+        process = run.process
+        if process is None:
+            return
         try:
-            process.send_signal(signal.SIGUSR1)
             process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
         _kill_group(process.pid)
+        if process.poll() is None:
+            process.kill()
+            try:
+                process.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _clean_up(self, run: _Run) -> str | None:
+        """Release everything of the run; returns what could not be released (never raises)."""
+        problems = []
+        try:
+            self._stop(run)
+            if run.process is not None:
+                if run.process.poll() is None:
+                    problems.append(f"bwrap (pid {run.process.pid}) did not exit after SIGKILL")
+                for stream in (run.process.stdout, run.process.stderr):
+                    if stream is not None:
+                        stream.close()
+            if run.init_pidfd is not None:
+                # The pidfd turns readable once the init has exited, and an init exits only after the
+                # kernel has killed and released every other process of its PID namespace.
+                poller = select.poll()  # not select.select: fds above 1024 are common in a trainer
+                poller.register(run.init_pidfd, select.POLLIN)
+                if not poller.poll(5000):
+                    problems.append("the sandbox's PID namespace is still alive 5 s after SIGKILL")
+                os.close(run.init_pidfd)
+                run.init_pidfd = None
+            if run.cgroup is not None:
+                error = run.cgroup.remove(timeout_s=2.0)
+                if error:
+                    problems.append(error)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"{type(exc).__name__}: {exc}")
+        for fd in run.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        run.fds.clear()
+        return "; ".join(problems) or None
 
     @staticmethod
-    def _classify(status: dict[str, Any], timed_out: bool, stderr: str, timeout_s: float) -> tuple[int | None, str | None, str | None]:
-        """``(exit_code, error_kind, detail)`` from the reaper's report."""
-        signal_number = status.get("signal")
-        exit_code = -signal_number if signal_number else status.get("exit_code")
-        if timed_out:
-            return exit_code, "timeout", f"wall-clock limit of {timeout_s:g} s exceeded"
+    def _classify(status: dict[str, Any], timed_out: bool, stderr: str, timeout_s: float,
+                  oom_kills: int) -> tuple[int | None, str | None, str | None]:
+        """``(exit_code, error_kind, detail)`` from bwrap's and the launcher's reports."""
+        raw = status.get("exit-code")
+        exit_code: int | None = raw if isinstance(raw, int) else None
+        signal_number = None
+        if exit_code is not None and 128 < exit_code <= 128 + 64:
+            signal_number = exit_code - 128  # bwrap's convention for "killed by signal N"
+            exit_code = -signal_number
+        if timed_out:  # whatever status bwrap saw was our own SIGKILL
+            return None, "timeout", f"wall-clock limit of {timeout_s:g} s exceeded"
         if status.get("setup_error"):
-            return None, "sandbox_error", status["setup_error"]
+            return None, "sandbox_error", str(status["setup_error"])
+        if exit_code is None:
+            tail = stderr.strip()[-500:]
+            return None, "sandbox_error", f"the sandbox did not start the program: {tail or 'no report'}"
+        if oom_kills and exit_code != 0:
+            return exit_code, "memory", f"memory limit of the run exceeded ({oom_kills} process(es) OOM-killed)"
         if signal_number:
             if signal_number == signal.SIGXCPU:
                 return exit_code, "cpu_limit", "CPU time limit exceeded"
             if signal_number == signal.SIGXFSZ:
                 return exit_code, "file_size", "file size limit exceeded"
-            return exit_code, "killed", f"killed by signal {signal.Signals(signal_number).name}"
-        if exit_code is None:
-            return None, "sandbox_error", "the sandbox ended without reporting the program's exit status"
+            try:
+                name = signal.Signals(signal_number).name
+            except ValueError:
+                name = f"signal {signal_number}"
+            return exit_code, "killed", f"killed by {name}"
         if exit_code != 0:
             last_line = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
             if last_line.startswith("MemoryError"):
