@@ -5,18 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
-from async_rl.rewards.math_reward import MathVerifier, extract_answer, is_equivalent
+from async_rl.rewards.math_reward import MathVerifier, grade_answer, reference_answer
 
 
 @register_env("math")
 class MathEnv(Env):
     """One question, one answer, reward 1.0 when the extracted answer equals the reference, else 0.0.
 
+    Graded by :func:`async_rl.rewards.math_reward.grade_answer` (spec §6, strict: the last closed,
+    non-empty ``\\boxed{}`` is the answer).
+
     Args:
         prompt_key: task field holding the prompt text (default ``"prompt"``).
         answer_key: task field holding the reference answer (default ``"answer"``).
-        verify_timeout_s: hard limit for the symbolic equivalence check (see ``math_reward``).
+        verify_timeout_s: hard limit of grading one answer (extraction and the symbolic check).
         verifier: a ``MathVerifier`` pool to use instead of the process-wide default.
+        fallback_last_number: also accept the last number of a response without a usable box (spec §6's
+            fallback; off by default and in every recipe, see docs/evaluation.md "The math grader").
 
     ``step`` info: ``extracted_answer`` (str | None), ``success`` (bool), ``invalid_action`` (True
     when no answer could be extracted at all, i.e. a format failure rather than a wrong answer).
@@ -30,7 +35,14 @@ class MathEnv(Env):
         answer_key: str = "answer",
         verify_timeout_s: float = 5.0,
         verifier: MathVerifier | None = None,
+        fallback_last_number: bool = False,
     ) -> None:
+        if isinstance(verify_timeout_s, bool) or not isinstance(verify_timeout_s, (int, float)) \
+                or not verify_timeout_s > 0:
+            raise ValueError(f"verify_timeout_s must be a number of seconds > 0, got {verify_timeout_s!r}")
+        if not isinstance(fallback_last_number, bool):
+            raise ValueError(f"fallback_last_number must be true or false, got {fallback_last_number!r}")
+        self.fallback_last_number = fallback_last_number
         self.prompt_key = prompt_key
         self.answer_key = answer_key
         self.verify_timeout_s = verify_timeout_s
@@ -54,10 +66,7 @@ class MathEnv(Env):
         label = task[self.answer_key]
         if label is None or not str(label).strip():
             raise ValueError(f"math task {task.get('id', '?')!r} has an empty reference answer")
-        label = str(label)
-        if "\\boxed" in label or "\\fbox" in label:
-            label = extract_answer(label) or label
-        self._label = label
+        self._label = reference_answer(label)
         self._done = False
         return prompt
 
@@ -67,13 +76,22 @@ class MathEnv(Env):
         if self._done:
             raise RuntimeError("MathEnv episode is over (single turn); call reset for the next task")
         self._done = True
-        predicted = extract_answer(action_text)
-        correct = predicted is not None and is_equivalent(
-            predicted, self._label, timeout_s=self.verify_timeout_s, verifier=self.verifier
-        )
+        predicted, correct = grade_answer(action_text, self._label, timeout_s=self.verify_timeout_s,
+                                          verifier=self.verifier, fallback_last_number=self.fallback_last_number)
         return StepResult(
             observation="",
             reward=1.0 if correct else 0.0,
             done=True,
             info={"extracted_answer": predicted, "success": correct, "invalid_action": predicted is None},
         )
+
+
+def math_env_kwargs(env_cfg: Any) -> dict[str, Any]:
+    """``MathEnv`` keyword arguments from an env config (``conf/env/math.yaml``): the grader options
+    ``verify_timeout_s`` and ``fallback_last_number`` when set (unset keys keep the strict defaults)."""
+    kwargs: dict[str, Any] = {}
+    for key in ("verify_timeout_s", "fallback_last_number"):
+        value = env_cfg.get(key) if env_cfg is not None else None
+        if value is not None:
+            kwargs[key] = value
+    return kwargs

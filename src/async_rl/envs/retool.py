@@ -24,9 +24,9 @@ The exact rule for one model turn (``action_text``):
    keeps the head and the tail around ``...[N chars truncated]...``. A timeout, the memory limit and other
    kills are described in the output too: a failure of the *model's code* is something it should see and
    fix. Reward 0, not done. Any ``\\boxed{}`` in a code turn is ignored.
-3. **A turn without code** is the final answer: done, reward ``math_score(turn, answer)`` (last
-   ``\\boxed{}``, else the last number; 1.0 or 0.0). ``info["invalid_action"]`` is True when no answer
-   can be extracted at all.
+3. **A turn without code** is the final answer: done, reward ``math_score(turn, answer)`` (the last
+   closed, non-empty ``\\boxed{}``; the last number only with ``fallback_last_number``; 1.0 or 0.0).
+   ``info["invalid_action"]`` is True when no answer can be extracted at all.
 4. **Out of turns.** The ``max_turns``-th turn ends the episode; if it still has code, the code is not run,
    reward 0 and ``info["out_of_turns"] = True``.
 5. **Infrastructure failures** (``SandboxResult.sandbox_failed``: ``sandbox_error`` / ``unreachable``, or a
@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
-from async_rl.rewards.math_reward import MathVerifier, extract_answer, is_equivalent
+from async_rl.rewards.math_reward import MathVerifier, extract_answer, grade_answer
 
 __all__ = [
     "PROMPT_TEMPLATE",
@@ -213,7 +213,8 @@ class ReToolEnv(Env):
         prompt_template: ``reset`` returns ``prompt_template.replace("{prompt}", task[prompt_key])``; None or
             ``"{prompt}"`` returns the task's prompt unchanged.
         prompt_key, answer_key: task fields of the question and the reference answer.
-        verify_timeout_s, verifier: as in :class:`async_rl.envs.math_env.MathEnv`.
+        verify_timeout_s, verifier, fallback_last_number: as in :class:`async_rl.envs.math_env.MathEnv`
+            (the grader is strict by default: the last closed, non-empty ``\\boxed{}`` only).
 
     ``step`` info: ``turn``, ``has_code``, and for code turns ``code_error_kind`` (None when it ran
     cleanly); for the final turn ``extracted_answer``, ``success``, ``invalid_action``, ``num_code_turns``.
@@ -233,6 +234,7 @@ class ReToolEnv(Env):
         answer_key: str = "answer",
         verify_timeout_s: float = 5.0,
         verifier: MathVerifier | None = None,
+        fallback_last_number: bool = False,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -252,6 +254,9 @@ class ReToolEnv(Env):
         self.answer_key = answer_key
         self.verify_timeout_s = verify_timeout_s
         self.verifier = verifier
+        if not isinstance(fallback_last_number, bool):
+            raise ValueError(f"fallback_last_number must be true or false, got {fallback_last_number!r}")
+        self.fallback_last_number = fallback_last_number
         self._label: str | None = None
         self._turn = 0
         self._done = True
@@ -306,16 +311,15 @@ class ReToolEnv(Env):
         observation, error_kind = self._run_code(code)
         self._code_turns += 1
         info["code_error_kind"] = error_kind
+        info["tool_executed"] = True  # counted per trajectory by the driver (train/tool_calls)
         return StepResult(observation=observation, reward=0.0, done=False, info=info)
 
     # -- internals ---------------------------------------------------------------------------------
 
     def _final_answer(self, action_text: str, info: dict[str, Any]) -> StepResult:
         self._done = True
-        predicted = extract_answer(action_text)
-        correct = predicted is not None and is_equivalent(
-            predicted, self._label, timeout_s=self.verify_timeout_s, verifier=self.verifier
-        )
+        predicted, correct = grade_answer(action_text, self._label, timeout_s=self.verify_timeout_s,
+                                          verifier=self.verifier, fallback_last_number=self.fallback_last_number)
         info.update(extracted_answer=predicted, success=correct, invalid_action=predicted is None,
                     num_code_turns=self._code_turns)
         return StepResult(observation="", reward=1.0 if correct else 0.0, done=True, info=info)
@@ -397,7 +401,8 @@ def retool_env_kwargs(env_cfg: Any) -> dict[str, Any]:
     if kind != "fusion":
         sandbox_kwargs.pop("url", None)  # only the fusion client takes a url
     kwargs: dict[str, Any] = {"sandbox_kind": kind, "sandbox_kwargs": sandbox_kwargs}
-    for key in ("max_turns", "code_timeout_s", "max_observation_chars", "persist_state", "verify_timeout_s"):
+    for key in ("max_turns", "code_timeout_s", "max_observation_chars", "persist_state", "verify_timeout_s",
+                "fallback_last_number"):
         value = _cfg_get(env_cfg, key)
         if value is not None:
             kwargs[key] = value
