@@ -52,8 +52,12 @@ def test_matches_verl_rollout_correction_icepop_token_mask():
     assert 0.1 < 1 - ours_keep.sum() / mask.sum() < 0.9  # the inputs really exercise the mask
     # per-token DIS loss equals -A times verl's IcePop weight
     lp = log_prob.clone().requires_grad_(True)
-    loss, _ = dis_policy_loss(lp, behaviour, adv, mask)
+    loss, _ = dis_policy_loss(lp, behaviour, adv, mask, loss_agg_mode="token-mean")
     assert_close(loss, (-adv * weights * mask).sum() / mask.sum(), atol=1e-5, rtol=1e-5)
+    # Eq. 1's default: the mean over trajectories of each trajectory's token mean
+    loss, _ = dis_policy_loss(lp, behaviour, adv, mask)
+    per_traj = (-adv * weights * mask).sum(1) / mask.sum(1)
+    assert_close(loss, per_traj.mean(), atol=1e-5, rtol=1e-5)
 
 
 def test_rejects_interval_without_one():

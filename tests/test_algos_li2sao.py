@@ -163,15 +163,15 @@ def test_readiness_undefined_without_mixed_groups():
 
 def test_gate_switches_at_exact_step_with_paper_defaults():
     # constant e = a = 1: EMA_k = 1 - 0.9^k; ā > 0.65 from k = 10 (0.9^10 = .3487), ē > .2 from k = 3.
-    # only steps k > T_min = 60 count: steps 61..70 -> opens at 70
+    # the paper's pseudocode counts steps k >= T_min = 60: c = 1 at k = 60, ..., c = M = 10 at k = 69
     gate = ReadinessGate()
     opened = [k for k in range(1, 200) if gate.update(1.0, 1.0)]
-    assert opened == [70] and gate.switch_step == 70 and not gate.forced
+    assert opened == [69] and gate.switch_step == 69 and not gate.forced
     assert gate.update(1.0, 1.0) is False  # one way
 
 
 def test_gate_counter_resets_and_state_round_trips():
-    # β = 0 makes the EMA the raw value: ready pattern 61..65, fail at 66, ready again from 67 -> 67 + 9 = 76
+    # β = 0 makes the EMA the raw value: ready 60..65, fail at 66 (c = 0), ready again from 67 -> 67 + 9 = 76
     def script(k):
         return (1.0, 0.0) if k == 66 else (1.0, 1.0)
 
@@ -181,10 +181,27 @@ def test_gate_counter_resets_and_state_round_trips():
     restored = ReadinessGate.from_state_dict(gate.state_dict())  # checkpoint at step 65
     steps = [k for k in range(66, 120) if restored.update(*script(k))]
     assert steps == [76]
-    # an undefined step (no mixed group) also resets the count
+    # an undefined step (no mixed group) leaves the EMAs as they are and the pseudocode reads the condition on
+    # them: with ready EMAs it keeps counting (60..69), with unready EMAs it resets
     gate2 = ReadinessGate(beta=0.0)
     opened = [k for k in range(1, 120) if gate2.update(*((None, None) if k == 62 else (1.0, 1.0)))]
-    assert opened == [72]
+    assert opened == [69]
+    gate3 = ReadinessGate(beta=0.0)
+    script3 = {61: (1.0, 0.0), 62: (None, None)}  # 61 not ready, 62 undefined -> still not ready
+    opened = [k for k in range(1, 120) if gate3.update(*script3.get(k, (1.0, 1.0)))]
+    assert opened == [63 + 9]
+
+
+def test_gate_window_first_counted_step_is_t_min():
+    # T_min = 3, M = 2, β = 0: steps 1-2 never count even when ready; 3 and 4 count -> opens at 4
+    gate = ReadinessGate(beta=0.0, t_min=3, patience=2, t_max=50)
+    counters = []
+    for k in range(1, 10):
+        if gate.update(1.0, 1.0):
+            break
+        counters.append(gate.consecutive)
+    assert counters == [0, 0, 1] and gate.switch_step == 4 and not gate.forced
+    assert gate.metrics()["li2sao/eta_e"] == 0.2 and gate.metrics()["li2sao/eta_a"] == 0.65
 
 
 def test_gate_forced_at_t_max():

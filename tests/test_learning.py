@@ -22,13 +22,13 @@ def warm_model(tmp_path_factory):
 
 
 ALGOS = {
-    "grpo": dict(group_size=4, use_critic=False, policy_loss="vanilla"),
+    "grpo": dict(group_size=4, use_critic=False, policy_loss="ppo_clip"),
     "lisao": dict(group_size=1, use_critic=True, critic_warmup_steps=3, policy_loss="dis"),
     "li2sao": dict(group_size=4, use_critic=True, policy_loss="dis_clip",
                    gate=GateConfig(t_min=10, patience=3, t_max=20)),
     "ppo": dict(group_size=1, use_critic=True, gae_lambda=0.95, freeze_critic_attention=False,
-                critic_updates_per_batch=1, policy_loss="vanilla"),
-    "sapo": dict(group_size=1, use_critic=False, policy_loss="vanilla"),
+                critic_updates_per_batch=1, policy_loss="ppo_clip"),
+    "sapo": dict(group_size=1, use_critic=False, policy_loss="ppo_clip"),
 }
 
 

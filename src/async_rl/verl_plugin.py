@@ -5,8 +5,13 @@ Ray workers of stock verl see the names too. Names (never overwriting an entry v
 
 - advantage estimators: ``sao_gae`` (LiSAO, spec §3), ``li2sao_group`` (Li2SAO, spec §4),
   ``sapo_turn`` (SAPO turn targets, spec §5);
-- policy losses: ``dis`` (LiSAO DIS, spec §3), ``dis_clip`` (Li2SAO bootstrap: clipped objective with the
-  DIS mask, spec §4), ``sapo_ar`` (SAPO's policy term, spec §5; verl's own ``sapo`` is another algorithm).
+- policy losses: ``ppo_clip`` (Eq. 1: asymmetric clip without verl ``vanilla``'s dual clip; GRPO, PPO),
+  ``dis`` (LiSAO DIS, spec §3), ``dis_clip`` (Li2SAO bootstrap: clipped objective with the DIS mask,
+  spec §4), ``sapo_ar`` (SAPO's policy term, spec §5; verl's own ``sapo`` is another algorithm).
+  ``ppo_clip``/``dis``/``dis_clip`` honour verl's ``loss_agg_mode`` ``"seq-mean-token-mean"`` (Eq. 1, what
+  our trainer uses) and ``"token-mean"``, with verl's ``global_batch_info`` normalisers;
+- rollout replica: ``hf`` (our transformers engine as a verl ``RolloutReplica``, async_rl.rollout.replica),
+  loaded lazily by ``RolloutReplicaRegistry.get("hf")``.
 
 verl's ``compute_advantage`` passes registered estimators only ``token_level_rewards``, ``response_mask``,
 ``config`` and ``index`` -- never critic values or turn structure. ``sao_gae`` and ``sapo_turn`` therefore
@@ -25,6 +30,7 @@ from verl.trainer.ppo import core_algos
 from async_rl.algos.dis import dis_policy_loss
 from async_rl.algos.gae import sao_gae
 from async_rl.algos.li2sao import li2sao_advantage
+from async_rl.algos.policy import LOSS_AGG_MODES, clipped_policy_loss
 from async_rl.algos.sapo import (
     broadcast_turns_to_tokens,
     normalise_turn_advantages,
@@ -33,7 +39,7 @@ from async_rl.algos.sapo import (
 )
 
 ADV_ESTIMATOR_NAMES = ("sao_gae", "li2sao_group", "sapo_turn")
-POLICY_LOSS_NAMES = ("dis", "dis_clip", "sapo_ar")
+POLICY_LOSS_NAMES = ("ppo_clip", "dis", "dis_clip", "sapo_ar")
 
 
 def _cfg(config: Any, key: str, default: Any) -> Any:
@@ -146,27 +152,54 @@ def _dis_bounds(config: Any) -> tuple[float, float]:
     return 0.7, 6.0
 
 
-def _dis_common(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                rollout_is_weights, clipped: bool):
+def _normaliser(config: Any, loss_agg_mode: str, name: str) -> Optional[float]:
+    """verl's global normaliser for our losses: ``agg_loss`` divides by the global count and multiplies by
+    ``dp_size`` (FSDP then averages gradients over ranks), i.e. it divides the local sum by count / dp_size."""
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"{name} supports loss_agg_mode in {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    batch_info = _cfg(config, "global_batch_info", {}) or {}
+    key = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
+    if batch_info.get(key) is None:
+        return None
+    return batch_info[key] / batch_info.get("dp_size", 1)
+
+
+def _clip_ratios(config: Any) -> tuple[float, float]:
+    clip = float(_cfg(config, "clip_ratio", 0.2))
+    return float(_cfg(config, "clip_ratio_low", clip)), float(_cfg(config, "clip_ratio_high", clip))
+
+
+def _no_second_is_weight(rollout_is_weights, name: str) -> None:
     if rollout_is_weights is not None:
         raise ValueError(
-            "dis computes its own importance ratio against the behaviour log-probs (pass them as "
+            f"{name} computes its own importance ratio against the behaviour log-probs (pass them as "
             "old_log_prob, i.e. verl's bypass mode); disable rollout_is so no second IS weight is applied"
         )
-    if loss_agg_mode != "token-mean":
-        raise ValueError(f"dis supports loss_agg_mode='token-mean' only, got {loss_agg_mode!r}")
+
+
+def _dis_common(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                rollout_is_weights, clipped: bool):
+    name = "dis_clip" if clipped else "dis"
+    _no_second_is_weight(rollout_is_weights, name)
+    normaliser = _normaliser(config, loss_agg_mode, name)
     low, high = _dis_bounds(config)
-    batch_info = _cfg(config, "global_batch_info", {}) or {}
-    normaliser = None
-    if batch_info.get("batch_num_tokens") is not None:
-        # verl's convention: global tokens, and FSDP averages gradients over dp ranks
-        normaliser = batch_info["batch_num_tokens"] / batch_info.get("dp_size", 1)
     clip_low = clip_high = None
     if clipped:
-        clip_low = float(_cfg(config, "clip_ratio_low", _cfg(config, "clip_ratio", 0.2)))
-        clip_high = float(_cfg(config, "clip_ratio_high", _cfg(config, "clip_ratio", 0.2)))
+        clip_low, clip_high = _clip_ratios(config)
     return dis_policy_loss(log_prob, old_log_prob, advantages, response_mask, low=low, high=high,
-                           clip_low=clip_low, clip_high=clip_high, loss_normaliser=normaliser)
+                           clip_low=clip_low, clip_high=clip_high, loss_agg_mode=loss_agg_mode,
+                           loss_normaliser=normaliser)
+
+
+def compute_policy_loss_ppo_clip(old_log_prob, log_prob, advantages, response_mask,
+                                 loss_agg_mode="seq-mean-token-mean", config=None, rollout_is_weights=None):
+    """Eq. 1 (spec §2): ``min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A)``, no dual clip, ``ρ`` against ``old_log_prob``
+    (the behaviour log-probs in bypass mode)."""
+    _no_second_is_weight(rollout_is_weights, "ppo_clip")
+    clip_low, clip_high = _clip_ratios(config)
+    return clipped_policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_low, clip_high,
+                               loss_agg_mode=loss_agg_mode,
+                               loss_normaliser=_normaliser(config, loss_agg_mode, "ppo_clip"))
 
 
 def compute_policy_loss_dis(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
@@ -215,14 +248,28 @@ def _add(registry: dict, name: str, fn) -> None:
         )
 
 
+def _load_hf_replica():
+    """Loader for verl's RolloutReplicaRegistry: ``rollout.engine=hf`` is our transformers engine as a
+    ``RolloutReplica`` (imported only when asked for: it pulls in Ray actors and verl's checkpoint engines)."""
+    from async_rl.rollout.replica import HFReplica
+
+    return HFReplica
+
+
 def register() -> None:
     """Idempotently add our names to verl's registries."""
     _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sao_gae", compute_sao_gae_advantage_return)
     _add(core_algos.ADV_ESTIMATOR_REGISTRY, "li2sao_group", compute_li2sao_group_advantage_return)
     _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sapo_turn", compute_sapo_turn_advantage_return)
+    _add(core_algos.POLICY_LOSS_REGISTRY, "ppo_clip", compute_policy_loss_ppo_clip)
     _add(core_algos.POLICY_LOSS_REGISTRY, "dis", compute_policy_loss_dis)
     _add(core_algos.POLICY_LOSS_REGISTRY, "dis_clip", compute_policy_loss_dis_clip)
     _add(core_algos.POLICY_LOSS_REGISTRY, "sapo_ar", compute_policy_loss_sapo_ar)
+    try:  # last, and guarded: the algorithm names above must register even where verl's rollout stack cannot load
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+    except ImportError:
+        return
+    _add(RolloutReplicaRegistry._registry, "hf", _load_hf_replica)
 
 
 register()

@@ -26,6 +26,13 @@ from async_rl.algos.li2sao import (
     terminal_ranking_loss,
     values_at_last_model_token,
 )
+from async_rl.algos.policy import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    clipped_policy_loss,
+    loss_normaliser_count,
+    squared_value_loss,
+)
 from async_rl.algos.metrics import explained_variance, pass_at_k, policy_lag_stats
 from async_rl.algos.sapo import (
     broadcast_turns_to_tokens,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from async_rl.algos._util import masked_mean
+from async_rl.algos.policy import aggregate_loss
 
 # exp(±20) bounds the ratio like verl does, so a huge log-ratio cannot overflow before masking
 _LOG_RATIO_BOUND = 20.0
@@ -37,9 +38,11 @@ def dis_policy_loss(
     high: float = 6.0,
     clip_low: float | None = None,
     clip_high: float | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
     loss_normaliser: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """DIS policy loss, token-mean over model tokens.
+    """DIS policy loss aggregated as Eq. 1: the mean over trajectories of each trajectory's token mean
+    (masked tokens count in their trajectory's length with a zero term).
 
     Args:
         log_prob: ``(bs, response_length)`` log π_θ(a_t|s_t), with grad.
@@ -49,8 +52,10 @@ def dis_policy_loss(
         response_mask: ``(bs, response_length)``, 1 on model tokens.
         low, high: the DIS interval (1-ε_l, 1+ε_h); spec: (0.7, 6.0).
         clip_low, clip_high: optional PPO clip ε's (e.g. DAPO 0.2 / 0.28) for Li2SAO's bootstrap.
-        loss_normaliser: divide the token sum by this instead of the local model-token count (pass the
-            global token count / world size for data-parallel training).
+        loss_agg_mode: ``"seq-mean-token-mean"`` (Eq. 1, default) or ``"token-mean"`` (ablation); see
+            :func:`async_rl.algos.policy.aggregate_loss`.
+        loss_normaliser: divide the local sum by this instead of the local count of the mode (trajectories
+            or tokens): pass the count summed over ranks for data-parallel training.
 
     Returns:
         ``(loss, metrics)``; metrics ``actor/dis_masked_frac``, ``actor/ppo_kl`` (w.r.t. behaviour),
@@ -71,9 +76,7 @@ def dis_policy_loss(
         clipfrac = masked_mean((pg_clipped > pg).to(log_prob.dtype), keep)
         pg = torch.maximum(pg, pg_clipped)
     # multiplying by a 0/1 mask (not where) keeps the graph, so masked tokens get exactly zero gradient
-    token_sum = (pg * keep).sum()
-    denom = mask.sum().clamp_min(1.0) if loss_normaliser is None else loss_normaliser
-    loss = token_sum / denom
+    loss = aggregate_loss(pg * keep, mask, loss_agg_mode, loss_normaliser)
     metrics = {
         "actor/dis_masked_frac": (masked_mean(1.0 - keep, mask)).item(),
         "actor/ppo_kl": masked_mean(-log_ratio.detach(), mask).item(),

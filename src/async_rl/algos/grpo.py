@@ -1,7 +1,8 @@
 """GRPO group-relative outcome advantage (spec §2; li2sao paper Eq. 2).
 
-The policy objective for GRPO is verl's own ``vanilla`` clipped loss with DAPO's asymmetric clip
-(``clip_ratio_low=0.2``, ``clip_ratio_high=0.28``): we reuse it and do not rewrite it.
+The policy objective for GRPO is Eq. 1 with DAPO's asymmetric clip (``clip_ratio_low=0.2``,
+``clip_ratio_high=0.28``): :func:`async_rl.algos.policy.clipped_policy_loss`, registered in verl as
+``ppo_clip``. verl's own ``vanilla`` adds a dual clip that Eq. 1 does not have.
 """
 
 from __future__ import annotations

@@ -311,11 +311,12 @@ class ReadinessGate:
     """One-way switch from group bootstrap to single rollout (spec §4).
 
     Each bootstrap step ``k = 1, 2, ...`` calls :meth:`update` with that step's data-parallel-reduced
-    ``(e_k, a_k)``. EMAs start at 0: ``ē_k = β ē_{k-1} + (1-β) e_k``. A step counts toward readiness when
-    ``ē_k > η_e`` and ``ā_k > η_a``; only steps ``k > T_min`` count, a failing step resets the count. The
-    gate opens at the step where the count reaches ``M``, or at ``k = T_max`` regardless. A step where
-    ``e_k`` or ``a_k`` is undefined (no mixed group) leaves the EMAs unchanged and resets the count.
-    Once open it stays open.
+    ``(e_k, a_k)``. EMAs start at 0: ``ē_k = β ē_{k-1} + (1-β) e_k``. As in the paper's pseudocode
+    (App. F): if ``k ≥ T_min`` and ``ē_k > η_e`` and ``ā_k > η_a`` then ``c ← c + 1`` else ``c ← 0``; the
+    gate opens at the step where ``c ≥ M`` or ``k ≥ T_max`` (so the earliest evidence-based switch is at
+    ``k = T_min + M - 1``). A step where ``e_k`` or ``a_k`` is undefined (no mixed group this step) leaves
+    that EMA unchanged; the condition is then read on the unchanged EMAs, exactly as the pseudocode reads
+    it. Once open it stays open.
     """
 
     beta: float = 0.9  # β, EMA factor
@@ -347,13 +348,12 @@ class ReadinessGate:
         if self.switched:
             return False
         self.step += 1
-        defined = e_k is not None and a_k is not None
-        if defined:
+        if e_k is not None:
             self.ema_e = self.beta * self.ema_e + (1.0 - self.beta) * e_k
+        if a_k is not None:
             self.ema_a = self.beta * self.ema_a + (1.0 - self.beta) * a_k
-        ready = defined and self.ema_e > self.eta_e and self.ema_a > self.eta_a
-        if self.step > self.t_min:
-            self.consecutive = self.consecutive + 1 if ready else 0
+        ready = self.step >= self.t_min and self.ema_e > self.eta_e and self.ema_a > self.eta_a
+        self.consecutive = self.consecutive + 1 if ready else 0
         self.history.append((self.step, e_k, a_k, self.ema_e, self.ema_a, self.consecutive))
         if self.consecutive >= self.patience or self.step >= self.t_max:
             self.switched = True
@@ -374,5 +374,8 @@ class ReadinessGate:
             "li2sao/ema_explained_var": self.ema_e,
             "li2sao/ema_rank_acc": self.ema_a,
             "li2sao/gate_counter": float(self.consecutive),
+            "li2sao/gate_step": float(self.step),
+            "li2sao/eta_e": self.eta_e,
+            "li2sao/eta_a": self.eta_a,
             "li2sao/switched": float(self.switched),
         }

@@ -5,6 +5,7 @@ actor update. Reads top to bottom; all equations come from :mod:`async_rl.algos`
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -76,7 +77,8 @@ class Learner:
                                           batch["response_attention"]) * keep.unsqueeze(1)
             ranking = {"scores": scores, "group_ids": group_ids, "margin": cfg.rank_margin, "coef": cfg.rank_coef}
             metrics.update(self._readiness(old_values, scores, group_ids, mask))
-            metrics["critic/explained_var"] = explained_variance(old_values, critic_targets, critic_mask)
+            metrics.update(self._critic_ev(old_values, critic_targets, mask * keep.unsqueeze(1), critic_mask))
+            value_clip = cfg.value_clip  # Eq. 10: clipped residual loss
         else:  # single-rollout GAE: LiSAO, Li2SAO after the switch, PPO
             if cfg.gae_lambda is None:
                 advantages, returns = sao_gae(rewards, old_values, mask, alpha=cfg.gae_alpha, gamma=cfg.gamma,
@@ -85,13 +87,15 @@ class Learner:
                 advantages, returns = skip_observation_gae(rewards, old_values, mask, lam=cfg.gae_lambda,
                                                            gamma=cfg.gamma, whiten=cfg.whiten_advantages)
             critic_targets, critic_mask = returns, mask
-            metrics["critic/explained_var"] = explained_variance(old_values, returns, mask)
+            metrics.update(self._critic_ev(old_values, returns, mask, None))
+            # Eq. 5: the critic fits absolute returns with plain squared error (clipping is an ablation)
+            value_clip = cfg.value_clip if cfg.clip_absolute_value_loss else None
 
         # ---------------- critic: K passes with V_old frozen once per batch ----------------------------
         if self.critic is not None:
             for _ in range(cfg.critic_updates_per_batch):
                 critic_metrics = self.critic.update(batch, critic_targets, critic_mask, old_values,
-                                                    cfg.value_clip, ranking)
+                                                    value_clip, ranking)
             metrics.update(critic_metrics)
 
         # ---------------- actor -----------------------------------------------------------------------
@@ -99,7 +103,8 @@ class Learner:
         if not frozen:
             loss_mode = self._policy_loss()
             metrics.update(self.actor.update(batch, advantages, loss_mode, cfg.clip.clip_ratio_low,
-                                             cfg.clip.clip_ratio_high, cfg.dis.low, cfg.dis.high))
+                                             cfg.clip.clip_ratio_high, cfg.dis.low, cfg.dis.high,
+                                             loss_agg_mode=cfg.loss_agg_mode))
             self.policy_version += 1
         metrics["actor/updated"] = float(not frozen)
         self.step += 1
@@ -140,14 +145,32 @@ class Learner:
 
     # ------------------------------------------------------------------ metrics
     def _readiness(self, old_values, scores, group_ids, mask) -> dict[str, float]:
+        """The gate's inputs e_k, a_k (Eq. 12-13) on this step's mixed groups, read from the frozen V_old."""
         stats = readiness_statistics(values_at_last_model_token(old_values, mask), scores, group_ids)
         # a data-parallel driver all-reduces `stats` here (SUM) before computing the ratios
         e_k, a_k = readiness_from_statistics(stats)
-        out = {"li2sao/mixed_groups_trajectories": float(stats[0])}
+        out = {"li2sao/mixed_groups_trajectories": float(stats[0]), "li2sao/rank_pairs": float(stats[5])}
         if e_k is not None:
             out["li2sao/explained_var_residual"] = e_k
         if a_k is not None:
             out["li2sao/rank_acc"] = a_k
+        return out
+
+    @staticmethod
+    def _critic_ev(old_values, targets, token_mask, loss_mask) -> dict[str, float]:
+        """Explained variance ``1 - Var(G - V)/Var(G)`` of V_old against the critic's own target, three ways:
+        over every model token (``critic/ev_tokens``, also ``critic/explained_var``), at each response's last
+        model token only (``critic/ev_terminal``; in the bootstrap this is e_k), and, in the bootstrap, over
+        the divergence mask the residual loss is trained on (``critic/ev_loss_mask``)."""
+        ev_tokens = explained_variance(old_values, targets, token_mask)
+        terminal = torch.zeros_like(token_mask)
+        last = token_mask.shape[1] - 1 - torch.flip(token_mask, dims=[1]).argmax(dim=1)
+        rows = token_mask.sum(dim=1) > 0
+        terminal[rows.nonzero().squeeze(1), last[rows]] = 1.0
+        out = {"critic/ev_tokens": ev_tokens, "critic/explained_var": ev_tokens,
+               "critic/ev_terminal": explained_variance(old_values, targets, terminal)}
+        if loss_mask is not None:
+            out["critic/ev_loss_mask"] = explained_variance(old_values, targets, loss_mask)
         return out
 
     def _batch_metrics(self, trajectories: list[Trajectory], batch) -> dict[str, float]:
@@ -159,31 +182,73 @@ class Learner:
             "train/response_length/mean": float(n_model.mean()),
             "train/response_length/max": float(n_model.max()),
             "train/num_turns/mean": sum(t.num_turns for t in trajectories) / len(trajectories),
+            "train/tool_calls": float(sum(t.info.get("tool_calls", 0) for t in trajectories)),
         }
         out.update(policy_lag_stats(batch["token_versions"], self.policy_version, batch["response_mask"]))
         return {k: (v if not (isinstance(v, float) and math.isnan(v)) else float("nan")) for k, v in out.items()}
 
     # ------------------------------------------------------------------ checkpointing
+    @property
+    def model_state_sharded(self) -> bool:
+        """True when actor and critic are worker groups (``trainer.workers=ray``): their model and optimizer
+        state goes to a sharded directory (:meth:`save_model_shards`, every rank its shard) next to the
+        driver-state file instead of into it; in-process roles put full state dicts into it."""
+        return bool(getattr(self.actor, "saves_sharded", False))
+
     def state_dict(self) -> dict:
+        """Counters, phase and gate; plus full model/optimizer state unless :attr:`model_state_sharded`."""
         state = {
             "policy_version": self.policy_version, "step": self.step, "phase": self.phase,
             "gate": self.gate.state_dict() if self.gate else None,
-            "actor_model": self.actor.engine.full_state_dict(),
-            "actor_optim": self.actor.engine.optimizer_state_dict(),
         }
+        if self.model_state_sharded:
+            state["model_state"] = "sharded"
+            state["train_world_size"] = int(self.actor.world_size)
+            return state
+        state["model_state"] = "full"
+        state["actor_model"] = self.actor.engine.full_state_dict()
+        state["actor_optim"] = self.actor.engine.optimizer_state_dict()
         if self.critic is not None:
             state["critic_model"] = self.critic.engine.full_state_dict()
             state["critic_optim"] = self.critic.engine.optimizer_state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def save_model_shards(self, directory: Path) -> None:
+        """Actor (and critic) model + AdamW state, sharded, under ``directory/actor`` (``/critic``)."""
+        self._sharded_engine(self.actor).save_sharded(Path(directory) / "actor")
+        if self.critic is not None:
+            self._sharded_engine(self.critic).save_sharded(Path(directory) / "critic")
+
+    def load_state_dict(self, state: dict, shards_dir: Optional[str | Path] = None) -> None:
+        """Restore; ``shards_dir`` is where a checkpoint with sharded model state keeps it.
+
+        Either kind loads into either kind of trainer: full state dicts go to worker groups through rank 0
+        (``load_state_dict``, scattered to every rank), shards load into an in-process engine as one rank
+        (torch.distributed.checkpoint reshards). A different number of train ranks reshards the same way.
+        """
+        saved_as = state.get("model_state", "full")
+        if saved_as == "sharded" and shards_dir is None:
+            raise ValueError("the checkpoint keeps its model state in a shard directory and none was given")
+        if saved_as == "sharded":
+            for name in ("actor", "critic") if self.critic is not None else ("actor",):
+                if not (Path(shards_dir) / name).is_dir():
+                    raise ValueError(f"the checkpoint has no {name} shards ({Path(shards_dir) / name} is missing)")
         self.policy_version = state["policy_version"]
         self.step = state["step"]
         self.phase = state["phase"]
         if state["gate"] is not None:
             self.gate = ReadinessGate.from_state_dict(state["gate"])
-        self.actor.engine.load_full_state_dict(state["actor_model"])
-        self.actor.engine.load_optimizer_state_dict(state["actor_optim"])
-        if self.critic is not None:
-            self.critic.engine.load_full_state_dict(state["critic_model"])
-            self.critic.engine.load_optimizer_state_dict(state["critic_optim"])
+        roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.critic is not None else [])
+        for name, role in roles:
+            if saved_as == "sharded":
+                self._sharded_engine(role).load_sharded(Path(shards_dir) / name)
+            elif hasattr(role, "engine"):
+                role.engine.load_full_state_dict(state[f"{name}_model"])
+                role.engine.load_optimizer_state_dict(state[f"{name}_optim"])
+            else:  # a worker group: rank 0 scatters the full state
+                role.load_state_dict({"model": state[f"{name}_model"], "optim": state[f"{name}_optim"]})
+
+    @staticmethod
+    def _sharded_engine(role):
+        """What saves and loads shards: a worker-group adapter itself, or an in-process role's engine."""
+        return role if getattr(role, "saves_sharded", False) else role.engine

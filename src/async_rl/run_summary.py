@@ -1,0 +1,77 @@
+"""Which phases of its algorithm a run actually went through, read from its metrics history.
+
+A run that exits 0 but never rewarded anything, never updated the actor, never switched or never called a
+tool proves only the plumbing. ``phase_report`` says, per phase the algorithm and task stand for, whether it
+happened and how often; ``train.py`` writes it into ``summary.json`` and prints a warning for every phase
+that did not happen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+# envs whose episodes are meant to have several model turns
+MULTI_TURN_ENVS = ("toy_keys", "retool", "alfworld", "webshop")
+CRITIC_ALGORITHMS = ("lisao", "li2sao", "ppo")
+
+
+def _values(history: list[dict], key: str) -> list[float]:
+    out = []
+    for row in history:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not math.isnan(float(value)):
+            out.append(float(value))
+    return out
+
+
+def phase_report(history: list[dict], algorithm: str, env_name: str,
+                 switch_step: Optional[int] = None, switch_forced: Optional[bool] = None) -> dict[str, Any]:
+    """``{"phases": {name: {"ran": bool, ...}}, "warnings": [str, ...]}`` for one run.
+
+    Phases: ``reward`` (some batch had a reward > 0), ``actor_updates`` (optimizer steps of the policy),
+    ``multi_turn`` (mean turns >= 2 in some batch; multi-turn envs), ``tool_calls`` (ReTool: code executed in
+    the sandbox), ``critic_updates`` (LiSAO/Li2SAO/PPO), ``li2sao_switch`` (the switch happened; says whether
+    the gate opened on evidence or was forced at T_max), ``sapo_value_losses`` (SAPO's V and Q losses).
+    """
+    phases: dict[str, dict[str, Any]] = {}
+    rewards = _values(history, "train/reward_mean")
+    phases["reward"] = {"ran": any(r > 0 for r in rewards),
+                        "steps_with_reward": sum(1 for r in rewards if r > 0)}
+    updates = _values(history, "actor/updated")
+    phases["actor_updates"] = {"ran": sum(updates) > 0, "count": int(sum(updates))}
+    if env_name in MULTI_TURN_ENVS:
+        turns = _values(history, "train/num_turns/mean")
+        phases["multi_turn"] = {"ran": any(t >= 2 for t in turns), "max_mean_turns": max(turns, default=0.0)}
+    if env_name == "retool":
+        calls = _values(history, "train/tool_calls")
+        phases["tool_calls"] = {"ran": sum(calls) > 0, "count": int(sum(calls))}
+    if algorithm in CRITIC_ALGORITHMS:
+        losses = _values(history, "critic/value_loss")
+        phases["critic_updates"] = {"ran": bool(losses), "steps": len(losses)}
+    if algorithm == "li2sao":
+        phases["li2sao_switch"] = {"ran": switch_step is not None, "step": switch_step,
+                                   "gate_opened_on_evidence": None if switch_step is None else not switch_forced}
+    if algorithm == "sapo":
+        v, q = _values(history, "sapo/v_loss"), _values(history, "sapo/q_loss")
+        phases["sapo_value_losses"] = {"ran": bool(v) and bool(q), "steps": min(len(v), len(q))}
+
+    warnings = []
+    for name, info in phases.items():
+        if not info["ran"]:
+            warnings.append(f"phase '{name}' never happened in this run ({_HINTS[name]})")
+    switch = phases.get("li2sao_switch")
+    if switch and switch["ran"] and switch["gate_opened_on_evidence"] is False:
+        warnings.append("Li2SAO's switch was forced at T_max: the readiness gate never opened on evidence")
+    return {"phases": phases, "warnings": warnings}
+
+
+_HINTS = {
+    "reward": "every reward was 0: nothing was learned; warm-start the model or use an easier task",
+    "actor_updates": "the actor never stepped: is critic_warmup_steps longer than total_steps?",
+    "multi_turn": "every episode ended after one turn: check max_response_tokens / the context against the prompt",
+    "tool_calls": "the model never wrote code, so the sandbox never ran",
+    "critic_updates": "the critic never trained",
+    "li2sao_switch": "no switch to single rollout: total_steps ends before T_max and the gate never opened",
+    "sapo_value_losses": "SAPO's V/Q losses were never computed",
+}

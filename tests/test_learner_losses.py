@@ -1,0 +1,88 @@
+"""Which loss each algorithm's learner step uses (spec §2-§4), with recording stand-ins for the roles."""
+
+import torch
+
+from async_rl.config import AlgorithmConfig
+from async_rl.driver.learner import Learner
+from async_rl.driver.trajectory import Segment, Trajectory
+
+
+class RecordingActor:
+    def __init__(self):
+        self.calls = []
+
+    def update(self, batch, advantages, loss_mode, clip_low, clip_high, dis_low, dis_high, loss_agg_mode):
+        self.calls.append({"loss_mode": loss_mode, "loss_agg_mode": loss_agg_mode, "advantages": advantages})
+        return {"actor/pg_loss": 0.0}
+
+
+class RecordingCritic:
+    """Values: V = 0.5 everywhere, so explained variances are computable by hand."""
+
+    def __init__(self):
+        self.calls = []
+
+    def values(self, batch):
+        return torch.full(batch["responses"].shape, 0.5) * batch["response_attention"]
+
+    def update(self, batch, targets, mask, old_values, clip_eps, ranking):
+        self.calls.append({"clip_eps": clip_eps, "ranking": ranking, "targets": targets, "mask": mask})
+        return {"critic/value_loss": 0.0}
+
+
+def _traj(i, group, reward, n_tokens=3, group_size=1):
+    return Trajectory(uid=f"u{i}", group_id=group, prompt_index=i, prompt_ids=[1, 2],
+                      segments=[Segment("model", list(range(3, 3 + n_tokens)), [0.0] * n_tokens, [0] * n_tokens)],
+                      reward=reward, success=reward > 0, num_turns=1, group_size=group_size)
+
+
+def test_lisao_critic_fits_absolute_returns_with_eq5_and_actor_uses_eq1_aggregation():
+    cfg = AlgorithmConfig(name="lisao", group_size=1, train_batch_trajectories=2, use_critic=True,
+                          policy_loss="dis", critic_updates_per_batch=2)
+    actor, critic = RecordingActor(), RecordingCritic()
+    learner = Learner(cfg, actor, critic, pad_token_id=0)
+    metrics = learner.train_step([_traj(0, "a", 1.0), _traj(1, "b", 0.0)])
+    assert [c["clip_eps"] for c in critic.calls] == [None, None]  # Eq. 5, twice (K = 2)
+    assert all(c["ranking"] is None for c in critic.calls)
+    assert actor.calls[0]["loss_mode"] == "dis" and actor.calls[0]["loss_agg_mode"] == "seq-mean-token-mean"
+    # returns with γ = λ = 1 are R on every model token: [1,1,1] and [0,0,0]; V = 0.5 -> G - V = ±0.5,
+    # Var(G) = 0.25, Var(G - V) = 0.25 -> EV = 0 on tokens and at the terminal token alike
+    assert metrics["critic/ev_tokens"] == 0.0 and metrics["critic/ev_terminal"] == 0.0
+    assert metrics["critic/explained_var"] == metrics["critic/ev_tokens"]
+
+
+def test_clipping_the_absolute_return_loss_is_an_opt_in_ablation():
+    cfg = AlgorithmConfig(name="lisao", group_size=1, train_batch_trajectories=2, use_critic=True,
+                          policy_loss="dis", critic_updates_per_batch=1, clip_absolute_value_loss=True)
+    critic = RecordingCritic()
+    Learner(cfg, RecordingActor(), critic, pad_token_id=0).train_step([_traj(0, "a", 1.0), _traj(1, "b", 0.0)])
+    assert critic.calls[0]["clip_eps"] == 0.2
+
+
+def test_li2sao_bootstrap_keeps_eq10_and_ranking_and_logs_the_gate_every_step():
+    cfg = AlgorithmConfig(name="li2sao", group_size=2, train_batch_trajectories=4, use_critic=True,
+                          policy_loss="dis_clip", critic_updates_per_batch=1)
+    actor, critic = RecordingActor(), RecordingCritic()
+    learner = Learner(cfg, actor, critic, pad_token_id=0)
+    # group g0 mixed (1, 0), group g1 all-equal (dropped from the critic)
+    batch = [_traj(0, "g0", 1.0, group_size=2), _traj(1, "g0", 0.0, group_size=2),
+             _traj(2, "g1", 1.0, group_size=2), _traj(3, "g1", 1.0, group_size=2)]
+    metrics = learner.train_step(batch)
+    assert critic.calls[0]["clip_eps"] == 0.2 and critic.calls[0]["ranking"] is not None
+    assert actor.calls[0]["loss_mode"] == "dis_clip"
+    for key in ("li2sao/ema_explained_var", "li2sao/ema_rank_acc", "li2sao/gate_counter", "li2sao/eta_e",
+                "li2sao/eta_a", "li2sao/mixed_groups_trajectories", "li2sao/explained_var_residual",
+                "critic/ev_terminal", "critic/ev_tokens", "critic/ev_loss_mask"):
+        assert key in metrics, key
+    # Z = R - μ = ±0.5 on the mixed group; V = 0.5 -> Z - V = [0, -1]: Var 0.25 vs Var(Z) 0.25 -> e_k = 0
+    assert metrics["li2sao/explained_var_residual"] == 0.0 == metrics["critic/ev_terminal"]
+    assert metrics["li2sao/mixed_groups_trajectories"] == 2.0
+    assert metrics["li2sao/eta_e"] == 0.2 and metrics["li2sao/eta_a"] == 0.65
+
+
+def test_grpo_uses_eq1_clip_without_dual_clip():
+    cfg = AlgorithmConfig(name="grpo", group_size=2, train_batch_trajectories=2)
+    actor = RecordingActor()
+    Learner(cfg, actor, None, pad_token_id=0).train_step([_traj(0, "g", 1.0, 1, 2), _traj(1, "g", 0.0, 3, 2)])
+    assert actor.calls[0]["loss_mode"] == "ppo_clip"
+    assert actor.calls[0]["loss_agg_mode"] == "seq-mean-token-mean"
