@@ -255,3 +255,32 @@ def test_step_runs_on_another_thread():
     env.reset({"prompt": "p", "answer": "a"})
     run_env_step(env, "a", timeout_s=5)
     assert seen and seen[0] is not threading.current_thread()
+
+
+def test_async_steps_run_on_the_reused_default_pool_workers():
+    from async_rl.envs.base import default_env_pool
+
+    class NamingEnv(EchoEnv):
+        def step(self, action_text):
+            return StepResult(threading.current_thread().name, 0.0, False)
+
+    async def scenario():
+        env = NamingEnv()
+        return [(await arun_env_step(env, "a", timeout_s=5)).result.observation for _ in range(50)]
+
+    asyncio.run(scenario())  # warm the pool up
+    started = default_env_pool()._started_threads
+    names = asyncio.run(scenario())
+    assert all(name.startswith("env-call-default") for name in names)
+    assert default_env_pool()._started_threads == started  # 50 awaited steps, no new thread
+
+
+def test_construct_step_and_close_timeouts_name_the_call():
+    from async_rl.envs.base import run_env_close, run_env_construct
+
+    hung_close = SleepingEnv(sleep_s=10)
+    hung_close.close = lambda: time.sleep(10)
+    closing = run_env_close(hung_close, timeout_s=0.2)
+    assert closing.aborted and closing.timed_out and closing.error == "env.close timed out after 0.2 s"
+    building = run_env_construct(lambda: time.sleep(10), timeout_s=0.2)
+    assert building.aborted and building.timed_out and building.error == "env construction timed out after 0.2 s"

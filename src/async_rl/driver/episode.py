@@ -2,8 +2,21 @@
 
 The scheduler asks each live episode for its next :class:`GenerationRequest`, batches the requests into
 the engine, and hands every finished :class:`GenerationOutput` back to its episode. The episode then
-steps the environment (off the caller's thread, with a timeout: an env crash or hang aborts the episode,
-never scores it) and either finishes or appends the observation tokens and asks for the next turn.
+steps the environment and either finishes or appends the observation tokens and asks for the next turn.
+
+Every env call (construct, reset, step, close) runs on a worker of an :class:`EnvCallPool` under
+``EpisodeLimits.env_timeout_s``; a crash, a hang or a garbage return value *aborts* the episode (spec §1:
+excluded from training, never scored). A failing ``close`` aborts it too: an env that cannot be shut down
+cleanly may have produced its last observation or reward in a broken state.
+
+Two ways to drive an episode:
+
+* blocking (evaluation, tests): :meth:`Episode.begin` and :meth:`Episode.on_output` run the call and wait;
+* split (the rollout manager, so that many env calls run at once and a hung one delays nobody else):
+  :meth:`Episode.take_output` records the model turn and returns the action; the caller runs the step
+  however it likes and hands the outcome to :meth:`Episode.apply_step`; likewise :meth:`apply_reset` and
+  :meth:`apply_close`. With ``defer_close=True`` a finished episode leaves its close to the caller
+  (:attr:`needs_close`).
 
 Chat wrapping: the model's turn ends with the chat end token; the observation is appended as
 ``\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n`` (the tokenizer's chat template), so
@@ -12,11 +25,13 @@ the tokens seen in training are exactly those the policy saw while sampling.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from async_rl.driver.trajectory import Segment, Trajectory
-from async_rl.envs.base import Env, run_env_reset, run_env_step
+from async_rl.envs.base import (CallOutcome, Env, EnvCallPool, ResetOutcome, StepOutcome, run_env_close,
+                                run_env_reset, run_env_step)
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 
 
@@ -24,21 +39,74 @@ from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingP
 class EpisodeLimits:
     max_turns: int = 4  # env turns per episode (the env's own max_turns also applies)
     max_response_tokens: int = 256  # model + observation tokens after the prompt
-    env_timeout_s: float = 30.0  # a step slower than this aborts the episode
+    env_timeout_s: float = 30.0  # any env call (construct, reset, step, close) slower than this aborts the episode
     overlong_penalty: bool = False  # DAPO soft penalty for responses in the last quarter of the budget (spec §2)
     max_context_tokens: Optional[int] = None  # the model's context (prompt + response); a full one truncates
 
+    def __post_init__(self) -> None:
+        def whole(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not whole(self.max_turns) or self.max_turns < 1:
+            raise ValueError(f"env.max_turns={self.max_turns!r}: must be an integer >= 1")
+        if not whole(self.max_response_tokens) or self.max_response_tokens < 1:
+            raise ValueError(f"env.max_response_tokens={self.max_response_tokens!r}: must be an integer >= 1")
+        timeout = self.env_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"env.env_timeout_s={timeout!r}: must be a positive, finite number of seconds")
+        if self.max_context_tokens is not None and (not whole(self.max_context_tokens) or self.max_context_tokens < 2):
+            raise ValueError(f"max_context_tokens={self.max_context_tokens!r}: must be an integer >= 2 or None")
+
+
+class _TokenCache:
+    """Bounded LRU map text -> token ids, for texts that repeat (prompts of a group, stock observations).
+
+    Texts longer than ``max_chars`` are not cached: they rarely repeat and would pin memory.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_chars: int = 2048):
+        self.max_entries = max_entries
+        self.max_chars = max_chars
+        self._ids: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Any, text: str, tokenize) -> list[int]:
+        if len(text) > self.max_chars:
+            return list(tokenize())
+        ids = self._ids.get(key)
+        if ids is not None:
+            self._ids.move_to_end(key)
+            self.hits += 1
+            return list(ids)  # a fresh list: trajectories own (and may extend) their token lists
+        self.misses += 1
+        ids = tuple(tokenize())
+        self._ids[key] = ids
+        if len(self._ids) > self.max_entries:
+            self._ids.popitem(last=False)
+        return list(ids)
+
 
 class ChatFormatter:
-    """Turns prompts and observations into token ids with the tokenizer's chat template."""
+    """Turns prompts and observations into token ids with the tokenizer's chat template.
+
+    Both conversions are pure functions of their text, so results are cached (``_TokenCache``): the
+    ``group_size`` members of a prompt group share one chat-template call, and an observation text that
+    repeats ("Invalid action.", "The key is 7.") is tokenised once.
+    """
 
     def __init__(self, tokenizer, system_prompt: Optional[str] = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         end = "<|im_end|>"
         self.end_token_id = tokenizer.convert_tokens_to_ids(end) if end in tokenizer.get_vocab() else None
+        self._prompt_cache = _TokenCache()
+        self._observation_cache = _TokenCache()
 
     def prompt_ids(self, text: str) -> list[int]:
+        return self._prompt_cache.get(text, text, lambda: self._render_prompt(text))
+
+    def _render_prompt(self, text: str) -> list[int]:
         messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
         messages.append({"role": "user", "content": text})
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -49,16 +117,21 @@ class ChatFormatter:
     def observation_ids(self, observation: str, model_closed_turn: bool) -> list[int]:
         """Tokens appended after a model turn: close it if the model did not, then the user observation."""
         prefix = "\n" if model_closed_turn else "<|im_end|>\n"
+        # the whole wrapped text is tokenised at once (not prefix + obs + suffix separately): BPE merges
+        # across the boundaries must match what a chat template would give
         text = f"{prefix}<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._observation_cache.get(
+            (observation, model_closed_turn), observation,
+            lambda: self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class Episode:
-    """A live episode. ``trajectory`` is complete once :attr:`finished` is True."""
+    """A live episode. ``trajectory`` is complete once :attr:`finished` is True (and, with
+    ``defer_close``, once the caller applied the close: :attr:`needs_close` is False)."""
 
     def __init__(
         self,
-        env: Env,
+        env: Optional[Env],
         task: dict[str, Any],
         formatter: ChatFormatter,
         sampling: SamplingParams,
@@ -67,25 +140,51 @@ class Episode:
         group_id: str,
         group_size: int,
         prompt_index: int,
+        *,
+        pool: Optional[EnvCallPool] = None,
+        defer_close: bool = False,
     ):
-        self.env = env
+        self.env = env  # None until the caller built it (the rollout manager constructs envs off-thread)
         self.task = task
         self.formatter = formatter
         self.sampling = sampling
         self.limits = limits
+        self.pool = pool  # worker pool of the blocking calls (None: the process-wide default pool)
+        self.defer_close = defer_close
         self.finished = False
+        self.env_closed = False
+        self.discarded = False  # dropped by a protocol step (Li2SAO switch): its trajectory is never handed back
         self._awaiting_output = False
         self.actions: list[str] = []  # action texts sent to the env, to replay it on resume
         self.trajectory = Trajectory(uid=uid, group_id=group_id, prompt_index=prompt_index, prompt_ids=[],
                                      group_size=group_size, info={"task_id": task.get("id")})
 
-    # ------------------------------------------------------------------ lifecycle
+    @property
+    def needs_close(self) -> bool:
+        """Finished, but its env has not been closed yet (``defer_close``: the caller's job)."""
+        return self.finished and self.env is not None and not self.env_closed
+
+    # ------------------------------------------------------------------ blocking drive
     def begin(self) -> None:
-        outcome = run_env_reset(self.env, self.task, timeout_s=self.limits.env_timeout_s)
+        """Reset the env (blocking, under the timeout) and build the prompt."""
+        self.apply_reset(run_env_reset(self.env, self.task, timeout_s=self.limits.env_timeout_s, pool=self.pool))
+
+    def on_output(self, output: GenerationOutput) -> None:
+        """Record a finished generation and step the environment (blocking, under the timeout)."""
+        action = self.take_output(output)
+        if action is not None:
+            self.apply_step(run_env_step(self.env, action, timeout_s=self.limits.env_timeout_s, pool=self.pool))
+
+    # ------------------------------------------------------------------ split drive
+    def apply_reset(self, outcome: ResetOutcome) -> None:
         if outcome.aborted:
             self._abort(f"reset failed: {outcome.error}")
             return
         self.trajectory.prompt_ids = self.formatter.prompt_ids(outcome.observation)
+
+    def abort_construction(self, outcome: CallOutcome) -> None:
+        """The env could not be built: the episode ends aborted before it began."""
+        self._abort(f"env construction failed: {outcome.error}")
 
     def next_request(self) -> Optional[GenerationRequest]:
         """The request for the next model turn, or None when finished / already waiting."""
@@ -106,25 +205,33 @@ class Episode:
         return GenerationRequest(request_id=f"{t.uid}/turn{t.num_turns}", prompt_ids=t.prompt_ids + t.response_ids,
                                  sampling=sampling)
 
-    def on_output(self, output: GenerationOutput) -> None:
-        """Record a finished generation and step the environment."""
+    def take_output(self, output: GenerationOutput) -> Optional[str]:
+        """Record a finished generation; returns the action text to step the env with, or None when the
+        episode ended instead (the generation was aborted)."""
         self._awaiting_output = False
         t = self.trajectory
         if output.finish_reason == "aborted":
             self._abort("generation aborted")
-            return
-        turn = t.num_turns
-        t.segments.append(Segment("model", list(output.token_ids), list(output.logprobs), list(output.versions), turn))
+            return None
+        t.segments.append(Segment("model", list(output.token_ids), list(output.logprobs), list(output.versions),
+                                  t.num_turns))
         t.num_turns += 1
         self.actions.append(output.text)
-        outcome = run_env_step(self.env, output.text, timeout_s=self.limits.env_timeout_s)
+        return output.text
+
+    def apply_step(self, outcome: StepOutcome) -> None:
+        """Apply the env's answer to the last action: finish, or append the observation for the next turn."""
+        t = self.trajectory
         if outcome.aborted:
             self._abort(f"env step failed: {outcome.error}")
             return
         result = outcome.result
+        turn = t.num_turns - 1
         t.turn_rewards.append(float(result.reward))
         t.turn_dones.append(bool(result.done))
         t.turn_invalid.append(bool(result.info.get("invalid_action", False)))
+        if result.info.get("tool_executed"):  # an env that runs tools (ReTool) says so per step
+            t.info["tool_calls"] = t.info.get("tool_calls", 0) + 1
         if result.done:
             t.success = bool(result.info.get("success", result.reward > 0))
             self._finish(reward=sum(t.turn_rewards), truncated=False)
@@ -132,7 +239,8 @@ class Episode:
         if t.num_turns >= min(self.limits.max_turns, getattr(self.env, "max_turns", self.limits.max_turns)):
             self._finish(reward=sum(t.turn_rewards), truncated=True)
             return
-        closed = self.formatter.end_token_id is not None and output.token_ids[-1:] == [self.formatter.end_token_id]
+        last_model = t.segments[-1].token_ids
+        closed = self.formatter.end_token_id is not None and last_model[-1:] == [self.formatter.end_token_id]
         obs_ids = self.formatter.observation_ids(result.observation, closed)
         context_full = (self.limits.max_context_tokens is not None and len(t.prompt_ids) + len(t.response_ids)
                         + len(obs_ids) >= self.limits.max_context_tokens)
@@ -141,6 +249,18 @@ class Episode:
             return
         t.segments.append(Segment("env", obs_ids, turn=turn))
 
+    def apply_close(self, outcome: CallOutcome) -> None:
+        """Record the env's close. A close that raised or hung aborts the trajectory (if nothing did before)."""
+        self.env_closed = True
+        if outcome.aborted:
+            self.trajectory.info["env_close_error"] = outcome.error
+            if not self.trajectory.aborted:
+                t = self.trajectory
+                # the env's verdict is kept for diagnostics only: an aborted trajectory is never scored
+                t.info["reward_before_abort"], t.info["success_before_abort"] = t.reward, t.success
+                t.reward, t.success = 0.0, False
+                t.aborted, t.abort_reason = True, f"env close failed: {outcome.error}"
+
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         return {"task": self.task, "trajectory": self.trajectory.to_dict(), "actions": list(self.actions),
@@ -148,18 +268,27 @@ class Episode:
 
     @classmethod
     def restore(cls, state: dict, env: Env, formatter: ChatFormatter, sampling: SamplingParams,
-                limits: EpisodeLimits) -> "Episode":
+                limits: EpisodeLimits, *, pool: Optional[EnvCallPool] = None, defer_close: bool = False
+                ) -> "Episode":
         """Rebuild a live episode; the env is replayed through the recorded actions (envs are seeded and
-        deterministic, so it reaches the same state)."""
+        deterministic, so it reaches the same state). Replay calls run under the timeout like any other:
+        a replay that fails leaves the episode finished and aborted (``abort_reason`` says so)."""
         traj = Trajectory.from_dict(state["trajectory"])
         episode = cls(env, state["task"], formatter, sampling, limits, traj.uid, traj.group_id, traj.group_size,
-                      traj.prompt_index)
+                      traj.prompt_index, pool=pool, defer_close=defer_close)
         episode.trajectory = traj
         episode.actions = list(state["actions"])
         episode._awaiting_output = state["awaiting_output"]
-        env.reset(episode.task)
+        replay = run_env_reset(env, episode.task, timeout_s=limits.env_timeout_s, pool=pool)
+        failure = replay.error if replay.aborted else None
         for action in episode.actions:
-            env.step(action)
+            if failure is not None:
+                break
+            step = run_env_step(env, action, timeout_s=limits.env_timeout_s, pool=pool)
+            failure = step.error if step.aborted else None
+        if failure is not None:
+            episode._awaiting_output = False
+            episode._abort(f"env replay on resume failed: {failure}")
         return episode
 
     # ------------------------------------------------------------------ endings
@@ -171,17 +300,15 @@ class Episode:
             reward += overlong_penalty(self.trajectory.num_model_tokens, self.limits.max_response_tokens)
         self.trajectory.reward = float(reward)
         self.trajectory.truncated = truncated
-        self.finished = True
-        self._close_env()
+        self._end()
 
     def _abort(self, reason: str) -> None:
         self.trajectory.aborted = True
         self.trajectory.abort_reason = reason
-        self.finished = True
-        self._close_env()
+        self._end()
 
-    def _close_env(self) -> None:
-        try:
-            self.env.close()
-        except Exception as err:  # a broken close must not take the driver down; the outcome is recorded
-            self.trajectory.info["env_close_error"] = f"{type(err).__name__}: {err}"
+    def _end(self) -> None:
+        self.finished = True
+        if not self.defer_close and self.needs_close:
+            # blocking drive: close now, under the timeout (a hung close is abandoned, never waited out)
+            self.apply_close(run_env_close(self.env, timeout_s=self.limits.env_timeout_s, pool=self.pool))

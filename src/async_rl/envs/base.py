@@ -6,11 +6,14 @@ An environment is a small, synchronous state machine driven by text:
     prompt = env.reset({"id": "q1", "prompt": "What is 2+3?", "answer": "5"})
     result = env.step("... so the answer is \\boxed{5}")   # StepResult(observation, reward, done, info)
 
-Rollout drivers never call ``env.step`` directly. They go through :func:`run_env_step` (threads) or
-:func:`arun_env_step` (asyncio), which run the step off the caller's thread with a timeout and turn an
-exception or a hang inside the environment into an *aborted* :class:`StepOutcome`. An aborted step is
-a distinct outcome, never a reward of 0 or -1: the trajectory is broken through no fault of the policy,
-so the trainer should drop it (or retry the task) instead of learning from a made-up reward.
+Rollout drivers never call an env directly. Every call -- construction, ``reset``, ``step``, ``close`` --
+goes through :func:`run_env_construct`, :func:`run_env_reset`, :func:`run_env_step`, :func:`run_env_close`
+(or :func:`arun_env_step` / :func:`arun_env_reset` under asyncio, or :meth:`EnvCallPool.submit` to start
+several at once). They run the call on a persistent worker thread of an :class:`EnvCallPool` with a
+timeout and turn an exception, a hang or an invalid return value inside the environment into an *aborted*
+outcome. An aborted call is a distinct outcome, never a reward of 0 or -1: the trajectory is broken
+through no fault of the policy, so the trainer should drop it (or retry the task) instead of learning
+from a made-up reward (spec §1).
 
 Registry: ``@register_env("name")`` on an :class:`Env` subclass (or any factory callable) makes it
 available to :func:`make_env`. The built-in environments register themselves when
@@ -21,6 +24,7 @@ package).
 from __future__ import annotations
 
 import abc
+import _thread
 import asyncio
 import concurrent.futures
 import importlib
@@ -28,20 +32,28 @@ import math
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 __all__ = [
+    "CallOutcome",
     "Env",
     "EnvAborted",
+    "EnvCall",
+    "EnvCallPool",
     "ResetOutcome",
     "StepOutcome",
     "StepResult",
     "arun_env_reset",
     "arun_env_step",
+    "default_env_pool",
     "make_env",
+    "outcome_of",
     "register_env",
     "registered_env_names",
+    "run_env_close",
+    "run_env_construct",
     "run_env_reset",
     "run_env_step",
 ]
@@ -72,6 +84,9 @@ class Env(abc.ABC):
     Subclasses implement :meth:`reset` and :meth:`step`, set :attr:`max_turns`, and override
     :meth:`close` if they hold resources (processes, servers, files). Environments are used by one
     driver at a time and need not be thread-safe; the helpers below only move a call to another thread.
+    The one exception: after a call timed out, :meth:`close` may run while that call is still stuck in
+    its thread -- close should then release what the stuck call waits on (kill the process, drop the
+    connection) rather than wait for it.
     """
 
     #: Maximum number of ``step`` calls per episode; drivers stop the episode after this many turns.
@@ -99,7 +114,7 @@ class Env(abc.ABC):
 
 
 # --------------------------------------------------------------------------------------------------
-# Running steps safely
+# Running env calls safely: a persistent worker pool with per-call timeouts
 # --------------------------------------------------------------------------------------------------
 
 
@@ -153,7 +168,342 @@ class ResetOutcome:
         return self.observation
 
 
+@dataclass(frozen=True)
+class CallOutcome:
+    """Result of :func:`run_env_construct` / :func:`run_env_close` (same fields as StepOutcome).
+
+    ``value`` is the new :class:`Env` for a construct and None for a close.
+    """
+
+    value: Any
+    aborted: bool
+    error: str | None = None
+    timed_out: bool = False
+    elapsed_s: float = 0.0
+
+
 _T = TypeVar("_T")
+
+# States of an EnvCall. Transitions happen under the pool's lock:
+# queued -> running -> done, or queued -> cancelled (the caller gave up before a worker picked it up).
+_QUEUED, _RUNNING, _DONE, _CANCELLED = "queued", "running", "done", "cancelled"
+
+
+_MAX_RESCUE_SLICE_S = 0.05
+
+
+def _rescue_slices(first_s: float):
+    """Wait slices of a caller blocked on a call: short at first (a queued call gets a worker within
+    ``first_s``), doubling up to 50 ms so that a long wait costs few wake-ups."""
+    slice_s = first_s
+    while True:
+        yield slice_s
+        slice_s = min(2 * slice_s, _MAX_RESCUE_SLICE_S)
+
+
+class EnvCall:
+    """One call submitted to an :class:`EnvCallPool`: poll it, wait for it, or give up on it.
+
+    ``deadline`` (``time.monotonic()`` seconds; None = no limit) counts from submission, so time spent
+    waiting for a free worker counts too: a caller never waits longer than the timeout it asked for.
+    """
+
+    __slots__ = ("kind", "fn", "timeout_s", "submitted", "started", "deadline", "state", "value", "error",
+                 "timed_out", "abandoned", "refused", "_finished", "_callbacks", "_pool")
+
+    def __init__(self, pool: "EnvCallPool", kind: str, fn: Callable[[], Any], timeout_s: float | None) -> None:
+        self._pool = pool
+        self.kind = kind
+        self.fn = fn
+        self.timeout_s = timeout_s
+        self.submitted = time.monotonic()
+        self.started: float | None = None  # when a worker began running it
+        self.deadline = None if timeout_s is None else self.submitted + timeout_s
+        self.state = _QUEUED
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.timed_out = False  # the caller gave up at the deadline
+        self.abandoned = False  # ... while the call was running: its thread is stuck until the call returns
+        self.refused: str | None = None  # the pool could not take the call (closed, or every thread stuck)
+        # a plain lock held until the call ends: the cheapest cross-thread "done" signal CPython has
+        self._finished = _thread.allocate_lock()
+        self._finished.acquire()
+        self._callbacks: list[Callable[["EnvCall"], None]] = []
+
+    @property
+    def done(self) -> bool:
+        """True once the call returned or raised (a cancelled call never runs, so it is never done)."""
+        return self.state == _DONE
+
+    def past_deadline(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (time.monotonic() if now is None else now) >= self.deadline
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the call is done or ``timeout_s`` passed; True when done."""
+        if self.refused is not None:
+            return False
+        pool = self._pool
+        deadline = None if timeout_s is None else time.monotonic() + max(timeout_s, 0.0)
+        for slice_s in _rescue_slices(pool.rescue_after_s):
+            # wait in slices: between them, calls stuck in the queue behind busy workers get a worker
+            if deadline is not None:
+                slice_s = min(slice_s, max(deadline - time.monotonic(), 0.0))
+            if self._finished.acquire(timeout=slice_s):
+                self._finished.release()  # leave it released: later waits return at once
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            pool.rescue()
+        raise AssertionError("unreachable: _rescue_slices never ends")
+
+    def finish(self) -> tuple[bool, Any, BaseException | None]:
+        """Wait until done or the deadline, then ``(finished, value, exception)``; gives up at the deadline."""
+        if self.refused is None:
+            remaining = None if self.deadline is None else self.deadline - time.monotonic()
+            if self.wait(remaining):
+                return True, self.value, self.error
+            if not self.give_up():  # it ended between the wait and the give-up
+                return True, self.value, self.error
+        return False, None, None
+
+    def give_up(self) -> bool:
+        """Stop waiting for the call (its deadline passed). False when it is already done (use the result).
+
+        A queued call is cancelled (no worker will run it); a running one is *abandoned*: Python threads
+        cannot be killed, so its worker stays busy until the env returns, and is counted as stuck.
+        """
+        return self._pool._give_up(self)
+
+    def add_done_callback(self, callback: Callable[["EnvCall"], None]) -> None:
+        """Run ``callback(call)`` when the call ends (in the worker thread), or now if it already has."""
+        with self._pool._lock:
+            if self.state != _DONE:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+
+class EnvCallPool:
+    """Persistent worker threads that run env calls (construct, reset, step, close) under timeouts.
+
+    Why a pool: starting a thread per call costs 0.1-3 ms (far more than a toy env's step). Why few awake
+    workers: waking one thread per call makes dozens of threads fight for the GIL over microsecond calls; so
+    at most ``awake_limit`` workers take new calls, back to back, while the others sleep. Why it still never
+    lets a hang block others: a call that waited ``rescue_after_s`` in the queue (every awake worker busy or
+    stuck) gets another worker woken or started for it, up to ``max_threads`` -- any caller waiting on the
+    pool triggers that (:meth:`rescue`), and a timed-out call's worker stops counting as awake at once.
+    ``max_threads`` bounds the threads a misbehaving env can leak: once every thread is stuck in a timed-out
+    call, new calls are refused at once (reported as an aborted call) instead of queueing behind them.
+    Workers asleep for ``idle_exit_s`` exit.
+    """
+
+    def __init__(self, max_threads: int = 256, idle_exit_s: float = 30.0, name: str = "env-call",
+                 awake_limit: int = 2, rescue_after_s: float = 0.002) -> None:
+        for key, value in (("max_threads", max_threads), ("awake_limit", awake_limit)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EnvCallPool {key} must be an integer >= 1, got {value!r}")
+        for key, value in (("idle_exit_s", idle_exit_s), ("rescue_after_s", rescue_after_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"EnvCallPool {key} must be > 0 seconds, got {value!r}")
+        self.max_threads = max_threads
+        self.awake_limit = awake_limit
+        self.rescue_after_s = float(rescue_after_s)
+        self.idle_exit_s = float(idle_exit_s)
+        self.name = name
+        self._lock = threading.Lock()
+        self._work_ready = threading.Condition(self._lock)  # sleeping workers wait here
+        self._jobs: deque[EnvCall] = deque()  # queued calls, oldest first (cancelled ones are skipped)
+        self._threads: set[threading.Thread] = set()
+        self._awake = 0  # workers running a call or looking for one (stuck ones excluded)
+        self._sleeping = 0  # workers waiting on _work_ready
+        self._wakeups = 0  # notifies sent that no sleeper has taken up yet
+        self._stuck = 0  # workers running a call whose caller gave up on it
+        self._running: dict[threading.Thread, EnvCall] = {}  # the call each awake, busy worker runs
+        self._started_threads = 0
+        self._closed = False
+        # cumulative counters (read with stats())
+        self.calls = 0
+        self.hung_calls = 0  # callers gave up at the deadline (running or still queued)
+        self.refused_calls = 0
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, fn: Callable[[], Any], timeout_s: float | None, kind: str = "call") -> EnvCall:
+        """Start ``fn()`` on a worker; returns at once. Never raises for problems of ``fn``."""
+        _check_timeout(timeout_s)
+        call = EnvCall(self, kind, fn, timeout_s)
+        with self._lock:
+            self.calls += 1
+            if self._closed:
+                call.refused = "the env call pool is shut down"
+            elif len(self._threads) >= self.max_threads and self._stuck >= len(self._threads):
+                call.refused = (f"no free env worker: all {len(self._threads)} threads are stuck in env calls that "
+                                "timed out and never returned; the env hangs (fix it, or raise max_threads)")
+            if call.refused is not None:
+                self.refused_calls += 1
+                call.state = _CANCELLED
+                return call
+            self._jobs.append(call)
+            if self._awake + self._wakeups < self.awake_limit:  # a notified sleeper is awake already
+                self._wake_one_locked()
+        return call
+
+    def call(self, fn: Callable[[], _T], timeout_s: float | None, kind: str = "call"
+             ) -> tuple[bool, _T | None, BaseException | None, str | None]:
+        """Submit and wait: ``(finished, value, exception, refused_reason)``."""
+        call = self.submit(fn, timeout_s, kind)
+        finished, value, error = call.finish()
+        return finished, value, error, call.refused
+
+    def rescue(self) -> None:
+        """Wake (or start) a worker for every call that has waited ``rescue_after_s`` in the queue."""
+        with self._lock:
+            self._rescue_locked(time.monotonic())
+
+    def _rescue_locked(self, now: float) -> None:
+        # only when every awake worker is held by a call running for rescue_after_s already: workers that are
+        # merely waiting for the GIL or for the OS to schedule them will take the queued calls soon anyway
+        if not self._jobs or self._wakeups:
+            return
+        held = sum(1 for c in self._running.values() if now - c.started >= self.rescue_after_s)
+        if held < self._awake:
+            return
+        waiting = sum(1 for c in self._jobs if c.state == _QUEUED)
+        for _ in range(waiting):
+            if not self._wake_one_locked():
+                break
+
+    def _wake_one_locked(self) -> bool:
+        if self._sleeping > self._wakeups:
+            self._wakeups += 1
+            self._work_ready.notify()
+            return True
+        if len(self._threads) < self.max_threads:
+            self._awake += 1
+            self._started_threads += 1
+            worker = threading.Thread(target=self._work, name=f"{self.name}-{self._started_threads}", daemon=True)
+            self._threads.add(worker)
+            worker.start()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ workers
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                call = self._next_job_locked()
+                if call is None:
+                    return  # idle too long, or shut down
+            try:
+                call.value = call.fn()
+            except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit from env code
+                call.error = exc
+            with self._lock:
+                call.state = _DONE
+                callbacks, call._callbacks = call._callbacks, []
+                self._running.pop(threading.current_thread(), None)
+                if call.abandoned:  # its caller gave up: back among the awake workers
+                    self._stuck -= 1
+                    self._awake += 1
+            call._finished.release()
+            for callback in callbacks:
+                try:
+                    callback(call)
+                except Exception:  # noqa: BLE001 - a callback bug must not kill the worker
+                    pass
+            call.fn = None  # drop references to the env (closures) as soon as the call is over
+            del call
+
+    def _next_job_locked(self) -> EnvCall | None:
+        """The next queued call (now running), sleeping while there is none; None when this worker leaves."""
+        me = threading.current_thread()
+        while True:
+            while self._jobs:
+                call = self._jobs.popleft()
+                if call.state == _QUEUED:  # else cancelled: its caller gave up before it started
+                    call.state = _RUNNING
+                    call.started = time.monotonic()
+                    self._running[me] = call
+                    return call
+            if self._closed:
+                self._awake -= 1
+                self._threads.discard(me)
+                return None
+            self._awake -= 1
+            self._sleeping += 1
+            while True:
+                notified = self._work_ready.wait(timeout=self.idle_exit_s)
+                if self._wakeups > 0:
+                    self._wakeups -= 1
+                    break
+                if self._closed or not notified:  # shut down, or asleep for idle_exit_s
+                    self._sleeping -= 1
+                    self._threads.discard(me)
+                    return None
+            self._sleeping -= 1
+            self._awake += 1
+
+    def _give_up(self, call: EnvCall) -> bool:
+        with self._lock:
+            if call.state == _DONE:
+                return False
+            if call.timed_out or call.refused is not None:
+                return True
+            call.timed_out = True
+            self.hung_calls += 1
+            if call.state == _QUEUED:
+                call.state = _CANCELLED  # a worker popping it will skip it
+            else:
+                call.abandoned = True
+                self._stuck += 1
+                self._awake -= 1  # no longer takes calls: queued ones get another worker
+                self._running = {t: c for t, c in self._running.items() if c is not call}
+                if self._jobs and self._awake + self._wakeups < self.awake_limit:
+                    self._wake_one_locked()
+            return True
+
+    # ------------------------------------------------------------------ reporting and shutdown
+    @property
+    def num_threads(self) -> int:
+        with self._lock:
+            return len(self._threads)
+
+    @property
+    def stuck_threads(self) -> int:
+        """Workers still running a call that timed out (leaked until the env returns; <= max_threads)."""
+        with self._lock:
+            return self._stuck
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"calls": self.calls, "hung_calls": self.hung_calls, "refused_calls": self.refused_calls,
+                    "threads": len(self._threads), "stuck_threads": self._stuck}
+
+    def shutdown(self, wait_s: float = 1.0) -> int:
+        """Stop the workers: idle ones exit now, busy and stuck ones once their call returns (calls still
+        queued are run first). Later :meth:`submit` calls are refused. Returns how many threads are still
+        alive after waiting up to ``wait_s`` seconds for them (the stuck ones; daemon threads, they never
+        block the interpreter's exit)."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+            self._work_ready.notify_all()
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        return sum(thread.is_alive() for thread in threads)
+
+
+_DEFAULT_POOL: EnvCallPool | None = None
+_DEFAULT_POOL_LOCK = threading.Lock()
+
+
+def default_env_pool() -> EnvCallPool:
+    """The process-wide pool behind :func:`run_env_step` and friends when no ``pool`` is given."""
+    global _DEFAULT_POOL
+    with _DEFAULT_POOL_LOCK:
+        if _DEFAULT_POOL is None or _DEFAULT_POOL._closed:
+            _DEFAULT_POOL = EnvCallPool(name="env-call-default")
+        return _DEFAULT_POOL
 
 
 def _describe_exception(exc: BaseException) -> str:
@@ -164,31 +514,9 @@ def _describe_exception(exc: BaseException) -> str:
 
 
 def _check_timeout(timeout_s: float | None) -> None:
-    if timeout_s is not None and not timeout_s > 0:
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                                      and timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
-
-
-def _call_in_daemon_thread(fn: Callable[[], _T], timeout_s: float | None) -> tuple[bool, _T | None, BaseException | None]:
-    """Run ``fn`` in a fresh daemon thread and wait at most ``timeout_s``.
-
-    Returns ``(finished, value, exception)``. A fresh daemon thread per call (instead of a shared pool)
-    because a hung environment keeps its thread forever: in a bounded pool a few hangs would starve
-    every later step, and a daemon thread does not block interpreter exit.
-    """
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit from env code
-            box["error"] = exc
-
-    worker = threading.Thread(target=target, name="env-step", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        return False, None, None
-    return True, box.get("value"), box.get("error")
 
 
 def _validate_step_result(value: Any) -> str | None:
@@ -204,92 +532,184 @@ def _validate_step_result(value: Any) -> str | None:
         return f"env.step returned a non-finite reward {value.reward!r}"
     if not isinstance(value.observation, str):
         return f"env.step returned observation of type {type(value.observation).__name__}, expected str"
+    if not isinstance(value.info, dict):
+        return f"env.step returned info of type {type(value.info).__name__}, expected dict"
     return None
 
 
-def _step_outcome(finished: bool, value: Any, error: BaseException | None, elapsed: float,
-                  timeout_s: float | None) -> StepOutcome:
-    """One rule for sync and async steps: a timeout, an exception or an invalid value aborts."""
+def _failure(what: str, finished: bool, error: BaseException | None, timeout_s: float | None,
+             refused: str | None) -> tuple[str, bool] | None:
+    """``(message, timed_out)`` when a call did not produce a value, else None."""
+    if refused is not None:
+        return f"{what} not run: {refused}", False
     if not finished:
-        return StepOutcome(None, True, f"env.step timed out after {timeout_s:g} s", timed_out=True, elapsed_s=elapsed)
+        return f"{what} timed out after {timeout_s:g} s", True
     if error is not None:
-        return StepOutcome(None, True, _describe_exception(error), elapsed_s=elapsed)
+        return _describe_exception(error), False
+    return None
+
+
+def step_outcome(finished: bool, value: Any, error: BaseException | None, elapsed: float,
+                 timeout_s: float | None, refused: str | None = None) -> StepOutcome:
+    """One rule for every step runner: a timeout, an exception or an invalid value aborts."""
+    failed = _failure("env.step", finished, error, timeout_s, refused)
+    if failed is not None:
+        return StepOutcome(None, True, failed[0], timed_out=failed[1], elapsed_s=elapsed)
     problem = _validate_step_result(value)
     if problem is not None:
         return StepOutcome(None, True, problem, elapsed_s=elapsed)
     return StepOutcome(value, False, None, elapsed_s=elapsed)
 
 
-def _reset_outcome(finished: bool, value: Any, error: BaseException | None, elapsed: float,
-                   timeout_s: float | None) -> ResetOutcome:
-    if not finished:
-        return ResetOutcome(None, True, f"env.reset timed out after {timeout_s:g} s", timed_out=True, elapsed_s=elapsed)
-    if error is not None:
-        return ResetOutcome(None, True, _describe_exception(error), elapsed_s=elapsed)
+def reset_outcome(finished: bool, value: Any, error: BaseException | None, elapsed: float,
+                  timeout_s: float | None, refused: str | None = None) -> ResetOutcome:
+    failed = _failure("env.reset", finished, error, timeout_s, refused)
+    if failed is not None:
+        return ResetOutcome(None, True, failed[0], timed_out=failed[1], elapsed_s=elapsed)
     if not isinstance(value, str):
         return ResetOutcome(None, True, f"env.reset returned {type(value).__name__}, expected str", elapsed_s=elapsed)
     return ResetOutcome(value, False, None, elapsed_s=elapsed)
 
 
-def run_env_step(env: Env, action: str, timeout_s: float | None = 60.0) -> StepOutcome:
-    """Run ``env.step(action)`` on another thread, waiting at most ``timeout_s`` seconds.
+def construct_outcome(finished: bool, value: Any, error: BaseException | None, elapsed: float,
+                      timeout_s: float | None, refused: str | None = None) -> CallOutcome:
+    failed = _failure("env construction", finished, error, timeout_s, refused)
+    if failed is not None:
+        return CallOutcome(None, True, failed[0], timed_out=failed[1], elapsed_s=elapsed)
+    if not isinstance(value, Env):
+        return CallOutcome(None, True, f"the env factory returned {type(value).__name__}, expected an Env",
+                           elapsed_s=elapsed)
+    return CallOutcome(value, False, None, elapsed_s=elapsed)
+
+
+def close_outcome(finished: bool, value: Any, error: BaseException | None, elapsed: float,
+                  timeout_s: float | None, refused: str | None = None) -> CallOutcome:
+    failed = _failure("env.close", finished, error, timeout_s, refused)
+    if failed is not None:
+        return CallOutcome(None, True, failed[0], timed_out=failed[1], elapsed_s=elapsed)
+    return CallOutcome(None, False, None, elapsed_s=elapsed)
+
+
+_OUTCOME_RULES: dict[str, Callable[..., Any]] = {
+    "construct": construct_outcome, "reset": reset_outcome, "step": step_outcome, "close": close_outcome,
+}
+
+
+def outcome_of(call: EnvCall) -> StepOutcome | ResetOutcome | CallOutcome:
+    """Wait for ``call`` (until done or its deadline, giving up then) and turn it into its outcome type.
+
+    ``call.kind`` picks the rule: ``construct`` / ``close`` give a :class:`CallOutcome`, ``reset`` a
+    :class:`ResetOutcome`, ``step`` a :class:`StepOutcome`.
+    """
+    finished, value, error = call.finish()
+    return _OUTCOME_RULES[call.kind](finished, value, error, time.monotonic() - call.submitted, call.timeout_s,
+                                     call.refused)
+
+
+def _run(kind: str, fn: Callable[[], Any], timeout_s: float | None, pool: EnvCallPool | None):
+    _check_timeout(timeout_s)
+    return outcome_of((pool or default_env_pool()).submit(fn, timeout_s, kind))
+
+
+def run_env_step(env: Env, action: str, timeout_s: float | None = 60.0, pool: EnvCallPool | None = None
+                 ) -> StepOutcome:
+    """Run ``env.step(action)`` on a worker of ``pool`` (default: :func:`default_env_pool`), waiting at
+    most ``timeout_s`` seconds.
 
     Never raises for problems inside the environment: an exception, a timeout, or an invalid return
     value become ``StepOutcome(result=None, aborted=True, error=...)``. ``timeout_s=None`` waits forever.
     """
-    _check_timeout(timeout_s)
-    started = time.monotonic()
-    finished, value, error = _call_in_daemon_thread(lambda: env.step(action), timeout_s)
-    return _step_outcome(finished, value, error, time.monotonic() - started, timeout_s)
+    return _run("step", lambda: env.step(action), timeout_s, pool)
 
 
-def run_env_reset(env: Env, task: dict[str, Any], timeout_s: float | None = 60.0) -> ResetOutcome:
+def run_env_reset(env: Env, task: dict[str, Any], timeout_s: float | None = 60.0,
+                  pool: EnvCallPool | None = None) -> ResetOutcome:
     """Like :func:`run_env_step` for ``env.reset(task)`` (resets can block too: game loading, servers)."""
+    return _run("reset", lambda: env.reset(task), timeout_s, pool)
+
+
+def run_env_construct(factory: Callable[[], Env], timeout_s: float | None = 60.0,
+                      pool: EnvCallPool | None = None) -> CallOutcome:
+    """Build an env with ``factory()`` under a timeout; ``outcome.value`` is the env.
+
+    An env whose construction timed out may still be built later by the stuck worker: it is closed
+    then, so its resources are not leaked.
+    """
     _check_timeout(timeout_s)
-    started = time.monotonic()
-    finished, value, error = _call_in_daemon_thread(lambda: env.reset(task), timeout_s)
-    return _reset_outcome(finished, value, error, time.monotonic() - started, timeout_s)
+    call = (pool or default_env_pool()).submit(factory, timeout_s, "construct")
+    outcome = outcome_of(call)
+    if outcome.timed_out:
+        call.add_done_callback(close_late_env)
+    return outcome
+
+
+def run_env_close(env: Env, timeout_s: float | None = 60.0, pool: EnvCallPool | None = None) -> CallOutcome:
+    """``env.close()`` under a timeout: a close that raises or hangs is reported, never raised or waited on."""
+    return _run("close", env.close, timeout_s, pool)
+
+
+def close_late_env(call: EnvCall) -> None:
+    """Done-callback for a construct call that timed out: close the env it built after all."""
+    env = call.value
+    if isinstance(env, Env):
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - nobody is waiting for this env any more
+            pass
 
 
 async def _await_in_executor(
     fn: Callable[[], _T], timeout_s: float | None, executor: concurrent.futures.Executor | None
 ) -> tuple[bool, _T | None, BaseException | None]:
-    """Async twin of :func:`_call_in_daemon_thread`: ``(finished, value, exception)``.
+    """Async twin of :meth:`EnvCall.finish`: ``(finished, value, exception)``.
 
-    With ``executor=None`` each call gets a fresh daemon thread (same reasoning as the sync helper:
-    asyncio's default executor is bounded, and hung steps would exhaust it). Pass your own executor
-    to bound the number of concurrent env threads.
+    With ``executor=None`` the call runs on :func:`default_env_pool` (asyncio's default executor is
+    bounded, and hung steps would exhaust it). Pass your own executor to bound the threads yourself.
     """
     loop = asyncio.get_running_loop()
+    call: EnvCall | None = None
     if executor is not None:
         future: asyncio.Future[_T] = loop.run_in_executor(executor, fn)
     else:
+        call = default_env_pool().submit(fn, timeout_s, "async")
+        if call.refused is not None:
+            return True, None, RuntimeError(call.refused)
         future = loop.create_future()
 
-        def deliver(setter: Callable[[Any], None], payload: Any) -> None:
+        def deliver(finished: EnvCall) -> None:
             if not future.done():  # the waiter may have timed out and cancelled it
-                setter(payload)
+                if finished.error is not None:
+                    future.set_exception(finished.error)
+                else:
+                    future.set_result(finished.value)
 
-        def target() -> None:
+        def wake(finished: EnvCall) -> None:
             try:
-                outcome: tuple[Callable[[Any], None], Any] = (future.set_result, fn())
-            except BaseException as exc:  # noqa: BLE001
-                outcome = (future.set_exception, exc)
-            try:
-                loop.call_soon_threadsafe(deliver, *outcome)
+                loop.call_soon_threadsafe(deliver, finished)
             except RuntimeError:
-                pass  # the loop is closed: the caller gave up on this (timed-out) step long ago
+                pass  # the loop is closed: the caller gave up on this (timed-out) call long ago
 
-        threading.Thread(target=target, name="env-step-async", daemon=True).start()
-    try:
-        # shield: a timeout must not try to cancel the running thread (impossible) — we just stop waiting.
-        value = await asyncio.wait_for(asyncio.shield(future), timeout_s)
-    except asyncio.TimeoutError:
-        future.cancel()
-        return False, None, None
-    except Exception as exc:  # noqa: BLE001 - exceptions raised by the env itself
-        return True, None, exc
-    return True, value, None
+        call.add_done_callback(wake)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    # an executor's own queue needs no rescue: one slice up to the deadline
+    slices = _rescue_slices(default_env_pool().rescue_after_s) if call is not None else iter([timeout_s])
+    for slice_s in slices:
+        if deadline is not None:
+            slice_s = min(slice_s, max(deadline - time.monotonic(), 0.0))
+        try:
+            # shield: a timeout must not try to cancel the running thread (impossible) -- we just stop waiting.
+            return True, await asyncio.wait_for(asyncio.shield(future), slice_s), None
+        except asyncio.TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if call is not None:
+                call._pool.rescue()  # calls queued behind busy workers get one
+        except Exception as exc:  # noqa: BLE001 - exceptions raised by the env itself
+            return True, None, exc
+    if call is not None and not call.give_up():  # it ended right at the deadline: use the result
+        return True, call.value, call.error
+    future.cancel()
+    return False, None, None
 
 
 async def arun_env_step(
@@ -302,7 +722,7 @@ async def arun_env_step(
     _check_timeout(timeout_s)
     started = time.monotonic()
     finished, value, error = await _await_in_executor(lambda: env.step(action), timeout_s, executor)
-    return _step_outcome(finished, value, error, time.monotonic() - started, timeout_s)
+    return step_outcome(finished, value, error, time.monotonic() - started, timeout_s)
 
 
 async def arun_env_reset(
@@ -315,7 +735,7 @@ async def arun_env_reset(
     _check_timeout(timeout_s)
     started = time.monotonic()
     finished, value, error = await _await_in_executor(lambda: env.reset(task), timeout_s, executor)
-    return _reset_outcome(finished, value, error, time.monotonic() - started, timeout_s)
+    return reset_outcome(finished, value, error, time.monotonic() - started, timeout_s)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class SamplingParams:
             end generation, like vLLM.
         banned_token_ids: ids that can never be sampled; their logits are set to ``-inf``
             before sampling and log-probs are normalised over the remaining ids.
-        seed: seeds this request's own random generator, so the same request with the
+        seed: keys this request's own random stream, so the same request with the
             same seed and weights reproduces its tokens. ``None`` draws a seed from
             torch's global RNG (reproducible after ``torch.manual_seed``).
     """

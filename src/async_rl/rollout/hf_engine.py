@@ -44,6 +44,10 @@ from async_rl.rollout.base import (
 
 # Draw per-request seeds below this bound when SamplingParams.seed is None.
 _SEED_BOUND = 2**62
+_MASK64 = 2**64 - 1
+# SplitMix64 constants (Steele, Lea & Flood 2014) as signed int64, the dtype torch computes in.
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 # A character is at most 4 UTF-8 bytes, i.e. at most 4 byte-level tokens; decoding this
 # many trailing tokens per stop-string character is enough to see any stop string that the
 # last sampled token completed (plus slack for a multi-byte char cut at the window start).
@@ -51,12 +55,60 @@ _TOKENS_PER_STOP_CHAR = 4
 _STOP_WINDOW_SLACK = 4
 
 
+def _as_int64(value: int) -> int:
+    """The signed 64-bit integer with the same bits as ``value`` mod 2**64."""
+    value &= _MASK64
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _splitmix64_mix(z: int) -> int:
+    """SplitMix64's output function on a Python int (64-bit wrap-around), for seeding a stream."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _MIX_MULTIPLIERS[0]) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX_MULTIPLIERS[1]) & _MASK64
+    return z ^ (z >> 31)
+
+
+def stream_key(seed: int) -> int:
+    """The per-request stream key (signed int64) for a sampling seed: the seed passed through the mixer,
+    so that nearby seeds (0, 1, 2, ...) start far apart in the SplitMix64 sequence."""
+    return _as_int64(_splitmix64_mix(int(seed)))
+
+
+def stream_uniforms(keys: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) (float64), one per row: draw number ``draws[r]`` of the stream ``keys[r]``.
+
+    A counter-based generator: draw ``n`` of a stream is SplitMix64's ``n + 1``-th output from state
+    ``key``, i.e. ``mix(key + (n + 1) * gamma)`` -- a pure function of ``(key, n)``. So all live requests
+    are sampled with one batched computation, a request's draws never depend on the other rows, and a
+    checkpoint needs nothing but the number of tokens a request already has. ``keys``/``draws``: (B,) int64.
+    Same numbers as the scalar reference :func:`_stream_uniform_reference` (tested).
+    """
+
+    def logical_shift(z: torch.Tensor, bits: int) -> torch.Tensor:
+        # torch's >> on int64 is arithmetic (copies the sign bit); mask the copies away
+        return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+    # int64 multiplication wraps around mod 2**64, which is exactly SplitMix64's arithmetic
+    z = keys + (draws + 1) * _as_int64(_GOLDEN_GAMMA)
+    z = (z ^ logical_shift(z, 30)) * _as_int64(_MIX_MULTIPLIERS[0])
+    z = (z ^ logical_shift(z, 27)) * _as_int64(_MIX_MULTIPLIERS[1])
+    z = z ^ logical_shift(z, 31)
+    return logical_shift(z, 11).double() * 2.0**-53  # top 53 bits: exactly representable
+
+
+def _stream_uniform_reference(key: int, draw: int) -> float:
+    """Plain-Python SplitMix64 draw, the reference :func:`stream_uniforms` is tested against."""
+    state = (key + (draw + 1) * _GOLDEN_GAMMA) & _MASK64
+    return (_splitmix64_mix(state) >> 11) * 2.0**-53
+
+
 @dataclass
 class _SequenceState:
     """Bookkeeping for one request while it is being generated."""
 
     request: GenerationRequest
-    generator: torch.Generator  # CPU generator: one uniform draw per sampled token
+    stream_key: int  # its random stream (see stream_uniforms); draw n samples token n
     stop_token_ids: frozenset[int]
     stop_window_tokens: int  # trailing tokens decoded when checking stop strings
     token_limit: int  # max_new_tokens, capped so the context fits max_position_embeddings
@@ -86,6 +138,7 @@ class _Batch:
         greedy:          [B] bool.
         top_p:           [B] float32.
         banned_mask:     [B, V] bool (True = never sample) or None when nothing is banned.
+        stream_keys:     [B] int64, each row's random stream; draws: [B] int64, tokens it sampled so far.
     ``cache`` is None before the first forward pass and after a weight update; the next
     step then re-prefills every unfinished sequence from its full context.
     """
@@ -96,6 +149,8 @@ class _Batch:
     greedy: torch.Tensor
     top_p: torch.Tensor
     banned_mask: torch.Tensor | None
+    stream_keys: torch.Tensor
+    draws: torch.Tensor
     num_decode_steps: int = 0  # tokens sampled so far per (still running) sequence
     cache: object | None = None
     attention_mask: torch.Tensor | None = None
@@ -109,6 +164,8 @@ class _Batch:
         self.temperatures = self.temperatures[index]
         self.greedy = self.greedy[index]
         self.top_p = self.top_p[index]
+        self.stream_keys = self.stream_keys[index]
+        self.draws = self.draws[index]
         if self.banned_mask is not None:
             self.banned_mask = self.banned_mask[index]
         if self.cache is not None:
@@ -230,8 +287,9 @@ class HFRolloutEngine(RolloutEngine):
     def export_inflight(self) -> list[dict]:
         """Unfinished sequences as plain data, in batch order, for a checkpoint (call between chunks).
 
-        Each entry: the request, the tokens / log-probs / versions generated so far, and the state of its
-        random generator, so :meth:`import_inflight` continues every sequence exactly where it stopped.
+        Each entry: the request, the tokens / log-probs / versions generated so far, and the key of its
+        random stream (its position is the number of tokens), so :meth:`import_inflight` continues every
+        sequence exactly where it stopped.
         """
         with self._cond:
             if self._stepping_thread is not None:
@@ -248,7 +306,7 @@ class HFRolloutEngine(RolloutEngine):
                     "token_ids": list(seq.token_ids),
                     "logprobs": list(seq.logprobs),
                     "versions": list(seq.versions),
-                    "generator_state": seq.generator.get_state().clone(),
+                    "stream_key": seq.stream_key,
                 })
             return out
 
@@ -264,7 +322,8 @@ class HFRolloutEngine(RolloutEngine):
                 request = GenerationRequest(state["request_id"], list(state["prompt_ids"]),
                                             SamplingParams(**state["sampling"]))
                 seq = self._new_sequence_state(request)
-                seq.generator.set_state(state["generator_state"])
+                if "stream_key" in state:  # absent in checkpoints of the generator-per-request engine
+                    seq.stream_key = int(state["stream_key"])
                 seq.token_ids = list(state["token_ids"])
                 seq.logprobs = list(state["logprobs"])
                 seq.versions = list(state["versions"])
@@ -451,8 +510,6 @@ class HFRolloutEngine(RolloutEngine):
         if seed is None:
             # Drawn from torch's global RNG so torch.manual_seed() makes unseeded runs repeatable.
             seed = int(torch.randint(0, _SEED_BOUND, (), dtype=torch.long).item())
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(int(seed))
         stop_ids = set(int(t) for t in sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -463,7 +520,7 @@ class HFRolloutEngine(RolloutEngine):
             token_limit = min(token_limit, self.max_positions - len(request.prompt_ids))
         return _SequenceState(
             request=GenerationRequest(request.request_id, [int(t) for t in request.prompt_ids], sampling),
-            generator=generator,
+            stream_key=stream_key(seed),
             stop_token_ids=frozenset(stop_ids),
             stop_window_tokens=_TOKENS_PER_STOP_CHAR * longest_stop + _STOP_WINDOW_SLACK,
             token_limit=token_limit,
@@ -487,6 +544,8 @@ class HFRolloutEngine(RolloutEngine):
             greedy=torch.tensor([s.temperature == 0 for s in samplings], dtype=torch.bool, device=self.device),
             top_p=torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=self.device),
             banned_mask=banned_mask,
+            stream_keys=torch.tensor([seq.stream_key for seq in sequences], dtype=torch.long, device=self.device),
+            draws=torch.tensor([len(seq.token_ids) for seq in sequences], dtype=torch.long, device=self.device),
         )
 
     # --------------------------------------------------- cross-thread coordination
@@ -630,6 +689,8 @@ class HFRolloutEngine(RolloutEngine):
         batch.temperatures = torch.cat([batch.temperatures, rows.temperatures])
         batch.greedy = torch.cat([batch.greedy, rows.greedy])
         batch.top_p = torch.cat([batch.top_p, rows.top_p])
+        batch.stream_keys = torch.cat([batch.stream_keys, rows.stream_keys])
+        batch.draws = torch.cat([batch.draws, rows.draws])
         if batch.banned_mask is not None or rows.banned_mask is not None:
             batch.banned_mask = torch.cat([self._banned_or_none(batch.banned_mask, len(batch.active) - len(newcomers)),
                                            self._banned_or_none(rows.banned_mask, len(newcomers))])
@@ -770,12 +831,9 @@ class HFRolloutEngine(RolloutEngine):
         if bool(truncate.any()):
             probs = self._apply_top_p(probs, batch.top_p, truncate)
 
-        # Inverse-CDF sampling with one uniform per row from that request's own generator:
-        # batched, and a request's draws do not depend on the other rows of the batch.
-        uniforms = torch.tensor(
-            [torch.rand((), generator=batch.sequences[i].generator, dtype=torch.float64).item() for i in batch.active],
-            dtype=torch.float64,
-        ).to(self.device)
+        # Inverse-CDF sampling with one uniform per row from that request's own stream, all rows in one
+        # batched computation; a request's draws do not depend on the other rows of the batch.
+        uniforms = stream_uniforms(batch.stream_keys, batch.draws)
         cdf = probs.double().cumsum(dim=-1)  # [B, V]
         targets = (uniforms * cdf[:, -1]).unsqueeze(1)
         # right=True returns the first index whose cdf exceeds the target, which always has
@@ -822,6 +880,7 @@ class HFRolloutEngine(RolloutEngine):
             else:
                 finished.append(self._to_output(seq))
         batch.last_token_ids = token_ids[:, None]
+        batch.draws = batch.draws + 1
         batch.num_decode_steps += 1
         self._keep_rows(keep_rows)
         return finished
