@@ -172,6 +172,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``tensor`` over all ranks **in place**; no-op without a group."""
+    if is_distributed() and get_world_size() > 1:
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return tensor
+
+
 def find_free_port() -> int:
     """Return a TCP port that is free on 127.0.0.1 right now (for single-node launches)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

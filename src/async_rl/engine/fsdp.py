@@ -11,18 +11,29 @@ plus ``set_force_sum_reduction_for_comms(True)``, which also avoids AVG/PREMUL_S
 gloo lacks); the normalisation lives in :meth:`TrainEngine.backward` (see
 :mod:`async_rl.engine.base`).
 
+Precision (``precision="bf16"|"fp32"``): parameters are always cast to float32 (master
+weights: a bf16 checkpoint is trained in float32), so gradients and AdamW state are float32;
+``"bf16"`` computes under bf16 autocast, plus FSDP2's ``MixedPrecisionPolicy`` when sharded (see
+:mod:`async_rl.engine.precision`). ``activation_checkpointing=True`` recomputes every decoder block
+in backward instead of keeping its activations (:func:`enable_activation_checkpointing`).
+
 Why not verl's own FSDP engine: see ``docs/engine.md`` (it resolves the device through
 verl's platform layer, which has no CPU platform and falls back to CUDA).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,11 +43,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from async_rl.engine import dist
 from async_rl.engine.base import OptimizerConfig, TrainEngine
+from async_rl.engine.precision import compute_context, install_root_forward, resolve_compute_dtype, validate_precision
 
 
 def find_shard_units(model: nn.Module) -> list[nn.Module]:
@@ -62,6 +75,53 @@ def find_shard_units(model: nn.Module) -> list[nn.Module]:
             if any(True for _ in child.parameters())
         ]
     return units
+
+
+def _hf_checkpointable(module: nn.Module) -> bool:
+    return bool(getattr(module, "supports_gradient_checkpointing", False)) and hasattr(
+        module, "gradient_checkpointing_enable")
+
+
+def _checkpointed_forward(unit: nn.Module, forward):
+    """``unit.forward`` recomputed in backward (non-reentrant checkpoint) while the unit trains."""
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        if unit.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    return wrapped
+
+
+def enable_activation_checkpointing(model: nn.Module) -> str:
+    """Recompute each decoder block's activations in backward instead of storing them.
+
+    Hugging Face models inside ``model`` (a causal LM, or a critic's backbone) use their own
+    ``gradient_checkpointing_enable`` (non-reentrant ``torch.utils.checkpoint`` per decoder layer);
+    any other model gets the same checkpoint around each :func:`find_shard_units` block. Active in
+    train mode only (eval/no-grad forwards store nothing anyway).
+
+    Returns:
+        ``"hf"`` or ``"blocks"``: which mechanism was used.
+
+    Raises:
+        ValueError: when the model has neither a Hugging Face model nor repeated blocks.
+    """
+    hf_models = [m for m in model.modules() if _hf_checkpointable(m)]
+    if hf_models:
+        for hf_model in hf_models:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return "hf"
+    units = find_shard_units(model)
+    if not units:
+        raise ValueError(
+            f"activation_checkpointing=true: {type(model).__name__} has no Hugging Face model and no "
+            "nn.ModuleList of blocks to checkpoint; set trainer.activation_checkpointing=false"
+        )
+    for unit in units:
+        unit.forward = _checkpointed_forward(unit, unit.forward)
+    return "blocks"
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,6 +165,10 @@ class FSDPEngine(TrainEngine):
         reshard_after_forward: FSDP2 ZeRO-3 (True, frees gathered weights after forward)
             or ZeRO-2-like (False, keeps them until backward: faster, more memory).
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+        precision: ``"fp32"`` or ``"bf16"`` compute (``trainer.precision``). Either way the
+            parameters, gradients and AdamW state are float32 (a bf16 model is upcast here).
+        activation_checkpointing: recompute decoder blocks in backward
+            (``trainer.activation_checkpointing``; see :func:`enable_activation_checkpointing`).
 
     The process group (if any) must exist before construction
     (:func:`async_rl.engine.dist.init_distributed`).
@@ -117,26 +181,39 @@ class FSDPEngine(TrainEngine):
         *,
         reshard_after_forward: bool = True,
         sync_module_states: bool = True,
+        precision: str = "fp32",
+        activation_checkpointing: bool = False,
     ):
         self.optim_config = optim or OptimizerConfig()
+        self.precision = validate_precision(precision)
         self._device = dist.current_device()
+        self._compute_dtype = resolve_compute_dtype(precision, self._device)
         world_size = dist.get_world_size()
         self._num_parameters = sum(p.numel() for p in model.parameters())
 
-        model = model.to(self._device)
+        # float32 master weights whatever the checkpoint's dtype: a bf16 parameter cannot hold an
+        # lr=1e-6 update (see async_rl.engine.precision). Only floating tensors are cast.
+        model = model.to(device=self._device, dtype=torch.float32)
+        self.activation_checkpointing = (
+            enable_activation_checkpointing(model) if activation_checkpointing else None
+        )
         self._sharded = world_size > 1
         if self._sharded:
             if sync_module_states:
                 self._broadcast_from_rank0(model)
             mesh = init_device_mesh(self._device.type, (world_size,))
+            # bf16: FSDP gathers bf16 copies of the fp32 shards and reduce-scatters fp32 gradients
+            mp_policy = (MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=torch.float32)
+                         if self._compute_dtype != torch.float32 else MixedPrecisionPolicy())
             for unit in reversed(find_shard_units(model)):
-                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     # SUM-reduce gradients: backward() already divided by the global count.
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)
+        install_root_forward(model, self.compute_context)
         self._module = model
 
         # Collected after fully_shard, which replaces parameters with sharded DTensors.
@@ -175,6 +252,18 @@ class FSDPEngine(TrainEngine):
     def is_sharded(self) -> bool:
         """True when the model is wrapped with FSDP2 (world size > 1)."""
         return self._sharded
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of the forward/backward math (bf16 only when requested and supported)."""
+        return self._compute_dtype
+
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """The precision context every call of :attr:`module` runs under (autocast for bf16).
+
+        Use it around forwards of other models that should compute like this one (e.g. a frozen
+        reference policy)."""
+        return compute_context(self._device, self._compute_dtype)
 
     # -- compute -----------------------------------------------------------------------
     def _backward(self, loss: torch.Tensor) -> None:
@@ -239,6 +328,78 @@ class FSDPEngine(TrainEngine):
         # Copy first: for an unsharded module, set_optimizer_state_dict adopts the given tensors
         # as the live optimizer state, so later steps would silently mutate the caller's dict.
         set_optimizer_state_dict(self._module, self._optimizer, _copy_tensors(state_dict), options=options)
+
+    # -- sharded checkpoints (torch.distributed.checkpoint) -----------------------------------------------
+    SHARDED_META = "engine.json"  # written by rank 0 next to DCP's own files
+
+    def save_sharded(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Save model and AdamW state to ``directory`` with ``torch.distributed.checkpoint``: every rank
+        writes its own shard (``__<rank>_0.distcp``), rank 0 the DCP ``.metadata`` and :attr:`SHARDED_META`.
+
+        A collective: every rank calls it with the same ``directory``, which must be one file system all
+        ranks see (one machine, or a shared mount). Nothing is gathered: the peak memory is this rank's
+        shard. A fresh optimizer (no step yet) is saved as "no optimizer state" (taking its state dict would
+        initialise AdamW, see :meth:`optimizer_state_dict`); every rank agrees, since all ranks step together.
+
+        Returns:
+            What :attr:`SHARDED_META` holds: ``{"format", "world_size", "optimizer_state", "num_parameters"}``.
+        """
+        directory = os.fspath(directory)
+        has_optimizer_state = bool(self._optimizer.state)
+        state: dict[str, Any] = {"model": get_model_state_dict(self._module)}
+        if has_optimizer_state:
+            state["optim"] = get_optimizer_state_dict(self._module, self._optimizer)
+        meta = {"format": 1, "world_size": self.world_size, "optimizer_state": has_optimizer_state,
+                "num_parameters": self._num_parameters}
+        if dist.get_rank() == 0:
+            os.makedirs(directory, exist_ok=True)
+        self._barrier()  # the directory exists before any rank writes into it
+        dcp.save(state, checkpoint_id=directory, no_dist=not self._sharded)
+        if dist.get_rank() == 0:
+            with open(os.path.join(directory, self.SHARDED_META), "w") as handle:
+                json.dump(meta, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+        self._barrier()  # every shard and the metadata are on disk when any rank returns
+        return meta
+
+    def load_sharded(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Load what :meth:`save_sharded` wrote, at this engine's world size (a collective).
+
+        The saved world size may differ: DCP stores every tensor's global shape and each shard's offsets,
+        and reads into this engine's own sharding (resharding), so a checkpoint saved on 2 ranks loads on 1
+        or 4. A checkpoint of another model fails with one line naming both parameter counts.
+
+        Returns:
+            The saved :attr:`SHARDED_META` (its ``world_size`` is the world size it was saved at).
+        """
+        directory = os.fspath(directory)
+        meta_path = os.path.join(directory, self.SHARDED_META)
+        if not os.path.isfile(meta_path):
+            raise FileNotFoundError(f"{directory} is not a sharded engine checkpoint: {self.SHARDED_META} is "
+                                    "missing (written last by save_sharded; the save did not finish)")
+        with open(meta_path) as handle:
+            meta = json.load(handle)
+        if int(meta.get("num_parameters", -1)) != self._num_parameters:
+            raise ValueError(f"sharded checkpoint {directory} holds a model of {meta.get('num_parameters')} "
+                             f"parameters, this engine's has {self._num_parameters}: resume with the model it "
+                             "was saved with")
+        state: dict[str, Any] = {"model": get_model_state_dict(self._module)}
+        if meta["optimizer_state"]:
+            # the getter initialises an empty AdamW (zero-gradient step at lr=0): the structure to read into
+            state["optim"] = get_optimizer_state_dict(self._module, self._optimizer)
+        dcp.load(state, checkpoint_id=directory, no_dist=not self._sharded)
+        set_model_state_dict(self._module, state["model"])
+        if meta["optimizer_state"]:
+            set_optimizer_state_dict(self._module, self._optimizer, state["optim"])
+        else:
+            self._optimizer.state.clear()  # saved before the first step: a fresh optimizer
+        self.zero_grad()
+        return meta
+
+    def _barrier(self) -> None:
+        if self._sharded:
+            torch_dist.barrier()
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         gradients = {}

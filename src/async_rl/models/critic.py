@@ -34,6 +34,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from async_rl.models.logprobs import position_ids_from_attention_mask, response_slice
@@ -104,8 +105,8 @@ class CriticModel(nn.Module):
         self.config = causal_lm.config
         self.backbone = backbone
         hidden_size = int(self.config.hidden_size)
-        param_dtype = next(backbone.parameters()).dtype
-        self.value_head = nn.Linear(hidden_size, 1, dtype=param_dtype)
+        # float32 like the engine's master weights, whatever the checkpoint's dtype
+        self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
         with torch.no_grad():
             self.value_head.weight.normal_(mean=0.0, std=init_scale / math.sqrt(hidden_size))
             self.value_head.bias.zero_()
@@ -125,17 +126,33 @@ class CriticModel(nn.Module):
                 padding does not shift positions (same rule as the actor's forward).
 
         Returns:
-            (bs, T) values; ``values[:, t]`` = V(tokens 0..t). Padding columns hold garbage.
+            (bs, T) float32 values; ``values[:, t]`` = V(tokens 0..t); 0 on padding columns
+            (``attention_mask`` 0), so a row's output does not depend on the rows batched with it.
+
+        Precision: the backbone runs in whatever precision the caller set up (the training engine's
+        autocast / FSDP mixed precision); the value head always runs in float32, so values and their
+        regression targets are compared at full precision.
         """
         if position_ids is None:
             position_ids = position_ids_from_attention_mask(attention_mask)
+        total = input_ids.shape[1]
+        # Causal attention: columns after the last real token of every row cannot change any value,
+        # and leading all-padding columns are masked out; dropping both bounds the tokens computed by
+        # what the rows really hold (the token budget of async_rl.engine.microbatch counts the same way).
+        real_columns = torch.nonzero((attention_mask > 0).any(dim=0)).flatten()
+        start, stop = (int(real_columns[0]), int(real_columns[-1]) + 1) if real_columns.numel() else (0, total)
         hidden = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            input_ids=input_ids[:, start:stop],
+            attention_mask=attention_mask[:, start:stop],
+            position_ids=position_ids[:, start:stop],
             use_cache=False,
-        ).last_hidden_state  # (bs, T, hidden)
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        ).last_hidden_state  # (bs, stop - start, hidden)
+        device_type = hidden.device.type
+        with torch.autocast(device_type=device_type, enabled=False):
+            bias = self.value_head.bias.float() if self.value_head.bias is not None else None
+            values = F.linear(hidden.float(), self.value_head.weight.float(), bias).squeeze(-1)
+        values = F.pad(values, (start, total - stop))
+        return torch.where(attention_mask > 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
     def response_values(
         self,

@@ -13,14 +13,20 @@ from typing import Any, Optional, Sequence
 import torch
 from omegaconf import OmegaConf
 
-from async_rl.algos import clipped_value_loss, terminal_ranking_loss, values_at_last_model_token
+from async_rl.algos import (
+    clipped_value_loss,
+    loss_normaliser_count,
+    squared_value_loss,
+    terminal_ranking_loss,
+    values_at_last_model_token,
+)
+from async_rl.config import POLICY_LOSSES
 from async_rl.engine.base import GlobalDenominator, OptimizerConfig
 from async_rl.engine.fsdp import FSDPEngine
+from async_rl.engine.microbatch import MicroBatchPlan
 from async_rl.models.critic import CriticModel
 from async_rl.models.loading import load_causal_lm
-from async_rl.models.logprobs import response_token_logprobs
-
-POLICY_LOSSES = ("vanilla", "dis", "dis_clip")
+from async_rl.models.logprobs import DEFAULT_LOGITS_CHUNK_TOKENS, response_token_logprobs
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -30,12 +36,13 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return input_ids, attention, batch["responses"].shape[1]
 
 
-def _micro_batches(bs: int, micro_batch_size: Optional[int]) -> list[slice]:
-    size = bs if not micro_batch_size else micro_batch_size
-    return [slice(i, min(i + size, bs)) for i in range(0, bs, size)]
+def _micro_batches(batch: dict[str, torch.Tensor], plan: MicroBatchPlan) -> list[torch.Tensor]:
+    """Consecutive row-index groups under the plan's token budget / row cap (same count on every DP rank);
+    concatenating per-group outputs restores the batch order. See :mod:`async_rl.engine.microbatch`."""
+    return plan.split(batch)
 
 
-def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+def _select(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v[rows] for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0}
 
 
@@ -49,24 +56,31 @@ class ActorRole:
         temperature: float = 1.0,
         banned_token_ids: Sequence[int] = (),
         micro_batch_size: Optional[int] = None,
+        precision: str = "fp32",
+        max_tokens_per_micro_batch: Optional[int] = None,
+        activation_checkpointing: bool = False,
+        logits_chunk_tokens: Optional[int] = DEFAULT_LOGITS_CHUNK_TOKENS,
     ):
         model = load_causal_lm(model_or_path) if isinstance(model_or_path, (str, bytes)) or hasattr(
             model_or_path, "__fspath__") else model_or_path
-        self.engine = FSDPEngine(model, optim)
+        # precision / activation checkpointing / token budget / LM-head chunks: docs/engine.md §7
+        self.engine = FSDPEngine(model, optim, precision=precision, activation_checkpointing=activation_checkpointing)
         self.temperature = temperature
         self.banned_token_ids = tuple(banned_token_ids)
         self.micro_batch_size = micro_batch_size
+        self.micro_batching = MicroBatchPlan(max_tokens=max_tokens_per_micro_batch, max_rows=micro_batch_size)
+        self.logits_chunk_tokens = logits_chunk_tokens
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``(bs, T)`` log π_θ of the response tokens (same rule as the rollout's behaviour log-prob)."""
         self.engine.eval_mode()
         out = []
-        for rows in _micro_batches(batch["responses"].shape[0], self.micro_batch_size):
+        for rows in _micro_batches(batch, self.micro_batching):
             ids, attn, T = model_inputs(_select(batch, rows))
             lp, _ = response_token_logprobs(self.engine.module, ids.to(self.engine.device),
                                             attn.to(self.engine.device), T, self.temperature,
-                                            self.banned_token_ids)
+                                            self.banned_token_ids, chunk_tokens=self.logits_chunk_tokens)
             out.append(lp.cpu())
         return torch.cat(out)
 
@@ -79,42 +93,46 @@ class ActorRole:
         clip_high: float = 0.28,
         dis_low: float = 0.7,
         dis_high: float = 6.0,
+        loss_agg_mode: str = "seq-mean-token-mean",
     ) -> dict[str, float]:
         """One optimizer step on the batch with verl's registered policy loss ``loss_mode``.
 
         The ratio is taken against the stored behaviour log-probs (verl's bypass mode), which is what
         in-flight asynchronous training needs: tokens of one trajectory may come from several versions.
+        ``loss_agg_mode="seq-mean-token-mean"`` is Eq. 1 (each trajectory's token mean counts once);
+        ``"token-mean"`` is the ablation.
         """
         from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
         if loss_mode not in POLICY_LOSSES:
             raise ValueError(f"unknown policy loss {loss_mode!r}; valid: {', '.join(POLICY_LOSSES)}")
         loss_fn = get_policy_loss_fn(loss_mode)
-        # verl's agg_loss("token-mean") with batch_num_tokens = 1, dp_size = 1 returns the local token sum;
-        # the engine divides by the token count summed over all ranks.
+        # verl's normalisers set to 1 make every registered loss return its local sum (of trajectory token
+        # means, or of tokens); the engine divides by the count summed over all ranks, once per step, so
+        # micro-batches and data-parallel shards add up to the one-batch loss exactly.
         config = OmegaConf.create({
             "clip_ratio": clip_low, "clip_ratio_low": clip_low, "clip_ratio_high": clip_high, "clip_ratio_c": 3.0,
             "policy_loss": {"rollout_correction": {"rollout_is_threshold": f"{dis_low}_{dis_high}"}},
-            "global_batch_info": {"batch_num_tokens": 1, "dp_size": 1},
+            "global_batch_info": {"batch_num_tokens": 1, "global_batch_size": 1, "dp_size": 1},
         })
         self.engine.train_mode()
-        denominator = self.engine.global_denominator(batch["response_mask"].sum())
+        denominator = self.engine.global_denominator(loss_normaliser_count(batch["response_mask"], loss_agg_mode))
         totals: dict[str, float] = {}
         loss_total = 0.0
-        for rows in _micro_batches(batch["responses"].shape[0], self.micro_batch_size):
+        for rows in _micro_batches(batch, self.micro_batching):
             mb = _select(batch, rows)
             ids, attn, T = model_inputs(mb)
             log_prob, _ = response_token_logprobs(self.engine.module, ids.to(self.engine.device),
                                                   attn.to(self.engine.device), T, self.temperature,
-                                                  self.banned_token_ids)
+                                                  self.banned_token_ids, chunk_tokens=self.logits_chunk_tokens)
             device = log_prob.device
             loss_sum, metrics = loss_fn(
                 old_log_prob=mb["behaviour_log_probs"].to(device), log_prob=log_prob,
                 advantages=advantages[rows].to(device), response_mask=mb["response_mask"].to(device),
-                loss_agg_mode="token-mean", config=config, rollout_is_weights=None,
+                loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=None,
             )
             loss_total += float(self.engine.backward(loss_sum, denominator))
-            weight = float(mb["response_mask"].sum()) / max(denominator.value, 1.0)
+            weight = float(loss_normaliser_count(mb["response_mask"], loss_agg_mode)) / max(denominator.value, 1.0)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + weight * float(value)
         grad_norm = self.engine.step()
@@ -134,10 +152,14 @@ class CriticRole:
         optim: OptimizerConfig,
         freeze_attention: bool = True,
         micro_batch_size: Optional[int] = None,
+        precision: str = "fp32",
+        max_tokens_per_micro_batch: Optional[int] = None,
+        activation_checkpointing: bool = False,
     ):
         critic = CriticModel.from_pretrained_policy(model_or_path, freeze_attention=freeze_attention)
-        self.engine = FSDPEngine(critic, optim)
+        self.engine = FSDPEngine(critic, optim, precision=precision, activation_checkpointing=activation_checkpointing)
         self.micro_batch_size = micro_batch_size
+        self.micro_batching = MicroBatchPlan(max_tokens=max_tokens_per_micro_batch, max_rows=micro_batch_size)
 
     def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, attn, T = model_inputs(batch)
@@ -150,8 +172,28 @@ class CriticRole:
         """``(bs, T)`` V(s_t) at every response position (0 off real response tokens)."""
         self.engine.eval_mode()
         out = [self._values(_select(batch, rows)).cpu()
-               for rows in _micro_batches(batch["responses"].shape[0], self.micro_batch_size)]
+               for rows in _micro_batches(batch, self.micro_batching)]
         return torch.cat(out) * batch["response_attention"]
+
+    def _ranking_gradient(self, batch, plan, ranking) -> tuple[torch.Tensor, float]:
+        """``(g (bs,), L_rank)`` with ``g = ∂L_rank/∂V(s_{i,T_i})`` at the current weights.
+
+        The ranking loss (Eq. 11) couples pairs of a group, which a token budget may put in different
+        micro-batches. Its gradient w.r.t. the weights is ``Σ_i g_i ∂V_i/∂φ``, and ``g`` depends only on the
+        terminal values, so one no-grad pass gives ``g`` and each micro-batch then back-propagates
+        ``Σ_{i in mb} g_i V_i``: the same gradient as the one-batch loss, for one extra forward pass."""
+        with torch.no_grad():
+            terminal = torch.cat([
+                values_at_last_model_token(self._values(_select(batch, rows)).cpu(),
+                                           batch["response_mask"][rows])
+                for rows in plan])
+        order = torch.cat(list(plan))
+        terminal_by_row = torch.empty_like(terminal)
+        terminal_by_row[order] = terminal
+        leaf = terminal_by_row.clone().requires_grad_(True)
+        rank, _ = terminal_ranking_loss(leaf, ranking["scores"].cpu(), ranking["group_ids"], ranking["margin"])
+        (grad,) = torch.autograd.grad(rank, leaf)
+        return grad.detach(), float(rank.detach())
 
     def update(
         self,
@@ -159,29 +201,42 @@ class CriticRole:
         targets: torch.Tensor,
         mask: torch.Tensor,
         old_values: torch.Tensor,
-        clip_eps: float = 0.2,
+        clip_eps: Optional[float] = 0.2,
         ranking: Optional[dict[str, Any]] = None,
     ) -> dict[str, float]:
-        """One optimizer step of the clipped value loss (Eq. 10 / Eq. 5), plus ``α L_rank`` (Eq. 11) when
-        ``ranking = {"scores", "group_ids", "margin", "coef"}`` is given (Li2SAO bootstrap)."""
+        """One optimizer step of the value loss, plus ``α L_rank`` (Eq. 11) when
+        ``ranking = {"scores", "group_ids", "margin", "coef"}`` is given (Li2SAO bootstrap).
+
+        ``clip_eps=ε_v`` gives the clipped loss of Eq. 10 around ``old_values`` (the bootstrap's residual
+        loss); ``clip_eps=None`` gives Eq. 5's plain squared error (absolute returns: LiSAO, PPO, Li2SAO
+        after the switch)."""
         self.engine.train_mode()
         value_den = self.engine.global_denominator(mask.sum())
         one = GlobalDenominator(value=1.0, world_size=self.engine.world_size)
         value_loss_total = rank_total = 0.0
         clipfrac = 0.0
-        for rows in _micro_batches(batch["responses"].shape[0], self.micro_batch_size):
+        plan = _micro_batches(batch, self.micro_batching)
+        rank_grad = None
+        if ranking is not None and len(plan) > 1:
+            rank_grad, rank_total = self._ranking_gradient(batch, plan, ranking)
+        for rows in plan:
             mb = _select(batch, rows)
             values = self._values(mb)
             device = values.device
-            vsum, m = clipped_value_loss(values, old_values[rows].to(device), targets[rows].to(device),
-                                         mask[rows].to(device), clip_eps, loss_normaliser=1.0)
+            if clip_eps is None:
+                vsum, m = squared_value_loss(values, targets[rows].to(device), mask[rows].to(device),
+                                             loss_normaliser=1.0)
+            else:
+                vsum, m = clipped_value_loss(values, old_values[rows].to(device), targets[rows].to(device),
+                                             mask[rows].to(device), clip_eps, loss_normaliser=1.0)
             loss = vsum / max(value_den.value, 1.0)
             value_loss_total += float(loss.detach())
             clipfrac += m["critic/vf_clipfrac"] * float(mask[rows].sum()) / max(value_den.value, 1.0)
-            if ranking is not None:
-                # pairs live inside groups; micro-batching must not split groups (whole batch here)
-                if self.micro_batch_size and self.micro_batch_size < batch["responses"].shape[0]:
-                    raise ValueError("the ranking loss needs whole groups: set critic micro_batch_size to None")
+            if rank_grad is not None:
+                # pairs cross micro-batches: add Σ_i g_i V_i, whose gradient is exactly L_rank's (see below)
+                terminal = values_at_last_model_token(values, mb["response_mask"].to(device))
+                loss = loss + ranking["coef"] * (rank_grad[rows].to(device) * terminal).sum()
+            elif ranking is not None:
                 rank, _ = terminal_ranking_loss(values_at_last_model_token(values, mb["response_mask"].to(device)),
                                                 ranking["scores"].to(device), ranking["group_ids"],
                                                 ranking["margin"])

@@ -31,6 +31,7 @@ import logging
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from async_rl.algos.sapo import (
@@ -45,8 +46,18 @@ from async_rl.algos.sapo import (
 from async_rl.engine import dist
 from async_rl.engine.base import GlobalDenominator, OptimizerConfig
 from async_rl.engine.fsdp import FSDPEngine
+from async_rl.engine.microbatch import MicroBatchPlan, trim_bounds
+from async_rl.engine.precision import call_inside_root
 from async_rl.models.loading import load_causal_lm
-from async_rl.models.logprobs import entropy_from_logits, position_ids_from_attention_mask, token_logprobs_from_logits
+from async_rl.models.logprobs import (
+    DEFAULT_LOGITS_CHUNK_TOKENS,
+    backbone_hidden,
+    causal_lm_parts,
+    chunked_head_logprobs,
+    entropy_from_logits,
+    position_ids_from_attention_mask,
+    token_logprobs_from_logits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,12 +208,7 @@ def resolve_reserved_ids(
 # ----------------------------------------------------------------------------------------------------
 # batch helpers
 # ----------------------------------------------------------------------------------------------------
-def _micro_batches(bs: int, micro_batch_size: Optional[int]) -> list[slice]:
-    size = bs if not micro_batch_size else micro_batch_size
-    return [slice(i, min(i + size, bs)) for i in range(0, bs, size)]
-
-
-def _rows(tensors: Mapping[str, Any], rows: slice) -> dict[str, torch.Tensor]:
+def _rows(tensors: Mapping[str, Any], rows: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v[rows] for k, v in tensors.items() if torch.is_tensor(v) and v.dim() > 0}
 
 
@@ -297,19 +303,26 @@ def _pad_turns(turns: dict[str, torch.Tensor], num_turns: Optional[int]) -> dict
 def _global_normalise(adv: torch.Tensor, turn_mask: torch.Tensor, invalid: Optional[torch.Tensor],
                       invalid_penalty: float, eps: float = 1e-6) -> torch.Tensor:
     """:func:`normalise_turn_advantages` with μ_B and σ_B over the valid turns of *all* data-parallel
-    ranks (one all-reduce); identical to it on one rank."""
+    ranks; identical to it on one rank.
+
+    Two all-reduces (count and sum, then the squared deviations from μ_B) rather than one of
+    ``Σa, Σa²``: turn advantages are often tiny next to their mean, and ``E[a²] - μ²`` from float32 sums
+    then loses most of σ_B (on a tiny model this moved Â by 0.4 %)."""
     if dist.get_world_size() <= 1:
         return normalise_turn_advantages(adv, turn_mask, invalid, invalid_penalty, eps)
     valid = turn_mask.to(torch.float32)
     a = adv.to(torch.float32)
     if invalid is not None:
         a = a - invalid_penalty * invalid.to(torch.float32)
-    stats = torch.stack([valid.sum(), (a * valid).sum(), (a * a * valid).sum()]).double().to(dist.current_device())
+    device = dist.current_device()
+    stats = torch.stack([valid.sum(), (a * valid).sum()]).double().to(device)
     dist.all_reduce_sum(stats)
     n = stats[0].clamp_min(1.0)
-    mu = stats[1] / n
-    var = (stats[2] / n - mu * mu).clamp_min(0.0)
-    return ((a - mu.float().cpu()) / (var.sqrt().float().cpu() + eps)) * valid
+    mu = (stats[1] / n).float().cpu()
+    square_dev = ((a - mu) ** 2 * valid).sum().double().to(device)
+    dist.all_reduce_sum(square_dev)
+    sigma = (square_dev / n).sqrt().float().cpu()
+    return (a - mu) / (sigma + eps) * valid
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -326,10 +339,16 @@ class SapoRole:
         tau_v: τ_v of the readout ``p = clip((z+ - z-)/τ_v, -1, 1)``.
         r_max: R_max, ``V = R_max p``.
         temperature: the rollout's sampling temperature (log-probs and entropy use it, as the sampler).
-        micro_batch_size: rows per forward/backward (gradients accumulate); ``None`` = whole batch.
+        micro_batch_size: row cap per forward/backward (gradients accumulate); ``None`` = no cap.
         ref_model: the frozen reference policy of the KL term: a model or path; ``None`` = a colocated
             frozen copy of the initial model when ``kl_coef > 0`` (no reference when ``kl_coef == 0``).
         kl_coef: β, the default of :meth:`update`'s ``kl_coef``.
+        precision: ``"fp32"`` | ``"bf16"`` (fp32 master weights either way; :class:`FSDPEngine`).
+        max_tokens_per_micro_batch: padded-token budget per micro-batch
+            (:mod:`async_rl.engine.microbatch`); ``None`` = none.
+        activation_checkpointing: recompute decoder blocks in backward.
+        logits_chunk_tokens: LM-head positions per chunk for log-probs, entropy and the two readout
+            logits (:func:`~async_rl.models.logprobs.chunked_head_logprobs`); ``None`` = full logits.
     """
 
     def __init__(
@@ -343,6 +362,10 @@ class SapoRole:
         micro_batch_size: Optional[int] = None,
         ref_model=None,
         kl_coef: float = SAPO_DEFAULTS["kl_coef"],
+        precision: str = "fp32",
+        max_tokens_per_micro_batch: Optional[int] = None,
+        activation_checkpointing: bool = False,
+        logits_chunk_tokens: Optional[int] = DEFAULT_LOGITS_CHUNK_TOKENS,
     ):
         if tau_v <= 0 or r_max <= 0:
             raise ValueError(f"tau_v and r_max must be > 0, got tau_v={tau_v}, r_max={r_max}")
@@ -361,6 +384,8 @@ class SapoRole:
         self.r_max = float(r_max)
         self.temperature = float(temperature)
         self.micro_batch_size = micro_batch_size
+        self.micro_batching = MicroBatchPlan(max_tokens=max_tokens_per_micro_batch, max_rows=micro_batch_size)
+        self.logits_chunk_tokens = logits_chunk_tokens
         self.kl_coef = float(kl_coef)
 
         self.ref_model: Optional[nn.Module] = None
@@ -368,9 +393,12 @@ class SapoRole:
             self.ref_model = self._load(ref_model)
         elif self.kl_coef > 0:
             self.ref_model = copy.deepcopy(model)  # before the engine touches (or shards) the model
-        self.engine = FSDPEngine(model, optim or OptimizerConfig())
+        self.engine = FSDPEngine(model, optim or OptimizerConfig(), precision=precision,
+                                 activation_checkpointing=activation_checkpointing)
         if self.ref_model is not None:
-            self.ref_model.to(self.engine.device).eval()
+            # frozen: no master copy needed, so it is stored in the compute dtype (half the bytes in bf16);
+            # rounding the same fp32 weights gives the same bf16 values the policy's autocast uses
+            self.ref_model.to(device=self.engine.device, dtype=self.engine.compute_dtype).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
 
@@ -394,33 +422,85 @@ class SapoRole:
         return self.reserved_ids
 
     # -- forward --------------------------------------------------------------------------------
-    def _tail_logits(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``(bs, T + 1, V)`` float32 logits of absolute columns ``P - 1 .. P + T - 1`` (one forward)."""
+    def _tail_inside(self, module: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     labels: torch.Tensor):
+        """Body run inside ``module(...)``: chunked restricted log-probs / entropy and the two readout logits."""
+        backbone, head = causal_lm_parts(module)
+        kept = labels.shape[1]
+        hidden = backbone_hidden(backbone, input_ids, attention_mask)[:, -(kept + 1):]  # (bs, kept + 1, H)
+        lp, ent = chunked_head_logprobs(hidden[:, :-1], head, labels, self.temperature, self.reserved_ids,
+                                        True, self.logits_chunk_tokens)
+        # the readouts need only rows w+ and w- of the LM head: (bs, kept + 1, 2), never the vocabulary
+        index = torch.tensor(self.reserved_ids, device=head.weight.device)
+        bias = head.bias[index] if head.bias is not None else None
+        basis = F.linear(hidden, head.weight[index], bias).float()
+        return lp, ent, basis
+
+    def _tail_outputs(self, model: nn.Module, batch: Mapping[str, torch.Tensor]):
+        """One forward over absolute columns ``P - 1 .. P + T - 1`` (the ``T + 1`` tail columns).
+
+        Returns ``(log_probs (bs, T), entropy (bs, T), value_basis (bs, T + 1, 2))``, float32: the
+        restricted-softmax log-prob and entropy of each response token (raw, unmasked) and the raw
+        logits of ``(w+, w-)`` at each tail column. Columns that are padding in every row are not
+        computed (their outputs are 0; they are never read).
+        """
         device = self.engine.device
         prompts, responses = batch["prompts"].to(device), batch["responses"].to(device)
-        T = responses.shape[1]
+        P, T = prompts.shape[1], responses.shape[1]
+        if P < 1:
+            raise ValueError("SAPO needs a non-empty prompt: V of the first turn is read at its last column")
+        input_ids = torch.cat([prompts, responses], dim=1)
+        attention = torch.cat([batch["prompt_mask"].to(device), batch["response_attention"].to(device)], dim=1)
+        start, stop = trim_bounds(attention, T)  # keeps column P - 1 and at least one response column
+        input_ids, attention = input_ids[:, start:stop], attention[:, start:stop]
+        kept = stop - P
+        labels = responses[:, :kept]
+        if self.logits_chunk_tokens is not None and causal_lm_parts(model) is not None:
+            lp, ent, basis = call_inside_root(model, self._tail_inside, input_ids=input_ids,
+                                              attention_mask=attention, labels=labels)
+        else:
+            lp, ent, basis = self._scores_from_logits(self._logits(model, input_ids, attention, kept), labels)
+        dropped = T - kept
+        if dropped:
+            lp, ent = F.pad(lp, (0, dropped)), F.pad(ent, (0, dropped))
+            basis = F.pad(basis, (0, 0, 0, dropped))
+        return lp, ent, basis
+
+    @staticmethod
+    def _logits(model: nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, response_len: int) -> torch.Tensor:
+        """(bs, R + 1, V) float32 full-vocabulary logits of the last ``R + 1`` columns (the model's forward)."""
+        kwargs = {"input_ids": input_ids, "attention_mask": attention,
+                  "position_ids": position_ids_from_attention_mask(attention), "use_cache": False}
+        if _accepts_kwarg(model, "logits_to_keep"):
+            kwargs["logits_to_keep"] = response_len + 1  # skip the LM head on the prompt
+        return model(**kwargs).logits[:, -(response_len + 1):].float()
+
+    def _scores_from_logits(self, tail: torch.Tensor, labels: torch.Tensor):
+        """:meth:`_tail_outputs`' triple from full tail logits (bs, R + 1, V) and labels (bs, R)."""
+        lp = token_logprobs_from_logits(tail[:, :-1], labels, self.temperature, self.reserved_ids)
+        ent = entropy_from_logits(tail[:, :-1], self.reserved_ids, self.temperature)
+        return lp, ent, tail[..., list(self.reserved_ids)]
+
+    def _tail_logits(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``(bs, T + 1, V)`` float32 logits of absolute columns ``P - 1 .. P + T - 1`` (the unchunked path;
+        :meth:`_outputs` accepts them in place of :meth:`_tail_outputs`)."""
+        device = self.engine.device
+        prompts, responses = batch["prompts"].to(device), batch["responses"].to(device)
         if prompts.shape[1] < 1:
             raise ValueError("SAPO needs a non-empty prompt: V of the first turn is read at its last column")
         input_ids = torch.cat([prompts, responses], dim=1)
         attention = torch.cat([batch["prompt_mask"].to(device), batch["response_attention"].to(device)], dim=1)
-        kwargs = {"input_ids": input_ids, "attention_mask": attention,
-                  "position_ids": position_ids_from_attention_mask(attention), "use_cache": False}
-        keep = _accepts_kwarg(model, "logits_to_keep")
-        if keep:
-            kwargs["logits_to_keep"] = T + 1  # skip the LM head on the prompt
-        logits = model(**kwargs).logits
-        return logits[:, -(T + 1):].float()
+        return self._logits(model, input_ids, attention, responses.shape[1])
 
     def _outputs(
-        self, tail: torch.Tensor, batch: Mapping[str, torch.Tensor], num_turns: int
+        self, tail, batch: Mapping[str, torch.Tensor], num_turns: int,
     ) -> dict[str, torch.Tensor]:
-        """Log-probs, entropy and turn readouts from :meth:`_tail_logits`."""
-        device = tail.device
-        responses = batch["responses"].to(device)
+        """Masked log-probs, entropy and turn readouts from :meth:`_tail_outputs` (or full tail logits)."""
+        if torch.is_tensor(tail):
+            tail = self._scores_from_logits(tail, batch["responses"].to(tail.device))
+        lp, ent, value_basis = tail
+        device = lp.device
         model_mask = batch["response_mask"].to(device) > 0
-        policy_logits = tail[:, :-1]
-        lp = token_logprobs_from_logits(policy_logits, responses, self.temperature, self.reserved_ids)
-        ent = entropy_from_logits(policy_logits, self.reserved_ids, self.temperature)
         # off model tokens the label may be anything (even a reserved id -> -inf): zero it there
         zero = torch.zeros((), device=device)
         lp = torch.where(model_mask, lp, zero)
@@ -429,8 +509,7 @@ class SapoRole:
         tti = batch["token_turn_index"].to(device).long()
         first, last = turn_boundaries(tti, num_turns)
         exists = first >= 0
-        plus, minus = self.reserved_ids
-        value_basis = tail[..., [plus, minus]]  # (bs, T + 1, 2): only the two reserved logits
+        # value_basis (bs, T + 1, 2): only the two reserved logits
         v_cols = first.clamp_min(0)  # tail column first_k == absolute column P + first_k - 1
         q_cols = (last + 1).clamp_min(0)  # tail column last_k + 1 == absolute column P + last_k
         v_z = value_basis.gather(1, v_cols.unsqueeze(-1).expand(-1, -1, 2))
@@ -454,15 +533,14 @@ class SapoRole:
             ``turn_last``: their response positions (-1 for absent turns).
         """
         K = num_turns or num_turns_of(batch["token_turn_index"])
-        return self._outputs(self._tail_logits(self.engine.module, batch), batch, K)
+        return self._outputs(self._tail_outputs(self.engine.module, batch), batch, K)
 
     @torch.no_grad()
     def evaluate(self, batch: Mapping[str, torch.Tensor], num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
         """:meth:`forward` without gradients, micro-batched, in eval mode; CPU tensors."""
         K = num_turns or num_turns_of(batch["token_turn_index"])
         with self.engine.eval_context():
-            parts = [self.forward(_rows(batch, rows), K)
-                     for rows in _micro_batches(batch["responses"].shape[0], self.micro_batch_size)]
+            parts = [self.forward(_rows(batch, rows), K) for rows in self.micro_batching.split(batch)]
         return {k: torch.cat([p[k].cpu() for p in parts]) for k in parts[0]}
 
     @torch.no_grad()
@@ -471,12 +549,11 @@ class SapoRole:
         if self.ref_model is None:
             raise ValueError("no reference model: construct SapoRole with kl_coef > 0 or pass ref_model")
         out = []
-        for rows in _micro_batches(batch["responses"].shape[0], self.micro_batch_size):
+        for rows in self.micro_batching.split(batch):
             mb = _rows(batch, rows)
-            tail = self._tail_logits(self.ref_model, mb)
-            lp = token_logprobs_from_logits(tail[:, :-1], mb["responses"].to(tail.device), self.temperature,
-                                            self.reserved_ids)
-            model_mask = mb["response_mask"].to(tail.device) > 0
+            with self.engine.compute_context():  # the reference computes like the policy
+                lp, _, _ = self._tail_outputs(self.ref_model, mb)
+            model_mask = mb["response_mask"].to(lp.device) > 0
             out.append(torch.where(model_mask, lp, torch.zeros((), device=lp.device)).cpu())
         return torch.cat(out)
 
@@ -626,7 +703,6 @@ class SapoRole:
         if turns is not None and turns["turn_mask"].shape != targets["turn_mask"].shape:
             raise ValueError("turns and targets disagree on (bs, K): recompute the targets for this batch")
         K = int(targets["turn_mask"].shape[1])
-        bs = batch["responses"].shape[0]
 
         self.engine.train_mode()
         tok_den = self.engine.global_denominator(batch["response_mask"].float().sum())
@@ -638,7 +714,7 @@ class SapoRole:
 
         acc: dict[str, float] = {}
         tensors = {k: v for k, v in targets.items() if torch.is_tensor(v)}
-        for rows in _micro_batches(bs, self.micro_batch_size):
+        for rows in self.micro_batching.split(batch):
             mb, tg = _rows(batch, rows), _rows(tensors, rows)
             sums, stats = self._micro_losses(mb, tg, K, clip_eps, clip_v, clip_q, use_kl)
             pol = sums["pg"] * inv_tok
