@@ -19,14 +19,53 @@ def _cfg(*overrides):
     (["algorithm.name=reinforce"], "valid choices: grpo, lisao, li2sao, ppo, sapo"),
     (["algorithm.train_batch_trajectories=30"], "divisible"),
     (["trainer.driver.staleness_cap=-1"], "staleness_cap"),
-    (["trainer.scheduler=magic"], "valid choices: deterministic, concurrent"),
+    (["trainer.scheduler=magic"], "trainer.scheduler='magic': must be one of deterministic, concurrent"),
+    (["trainer.driver.total_steps=abc"], "trainer.driver.total_steps='abc': must be an integer >= 1"),
+    (["algorithm.actor_lr=abc"], "algorithm.actor_lr='abc': must be a finite number > 0"),
+    (["seed=abc"], "seed='abc': must be an integer"),
+    (["seed=-1"], r"seed=-1: must be an integer in \[0, 4294967295\]"),
+    (["env.max_turns=-1"], "env.max_turns=-1: must be an integer >= 1"),
+    (["env.env_timeout_s=0"], "env.env_timeout_s=0: must be a finite number > 0"),
+    (["env=chess"], None),  # Hydra itself rejects an unknown config group option
+    (["env.name=chess"], "env.name='chess': must be one of toy_keys, toy_echo, math"),
+    (["trainer.scheduler=concurrent", "trainer.driver.checkpoint_every=2"], "needs trainer.scheduler=deterministic"),
 ])
 def test_config_errors_fail_before_anything_starts(overrides, message, tmp_path):
     # model.dir points nowhere: reaching model preparation would raise a different error
+    if message is None:
+        from hydra.errors import HydraException
+
+        with pytest.raises(HydraException):
+            _cfg(*overrides)
+        return
     cfg = _cfg(*overrides, f"model.dir={tmp_path}/never-built", f"trainer.output_dir={tmp_path}")
     with pytest.raises(ValueError, match=message):
         run(cfg)
     assert not (tmp_path / "never-built").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.driver.total_steps=abc", "error: trainer.driver.total_steps='abc': must be an integer >= 1"),
+    ("algorithm.actor_lr=abc", "error: algorithm.actor_lr='abc': must be a finite number > 0"),
+    ("seed=abc", "error: seed='abc': must be an integer in [0, 4294967295]"),
+    ("env.max_turns=-1", "error: env.max_turns=-1: must be an integer >= 1"),
+    ("env.env_timeout_s=0", "error: env.env_timeout_s=0: must be a finite number > 0"),
+    ("algorithm.gamma=2", "error: algorithm.gamma=2: must be a finite number in [0, 1]"),
+])
+def test_cli_prints_one_error_line_and_exits_2_before_any_model_is_built(override, message, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "async_rl.train", override, f"model.dir={tmp_path}/never-built",
+         f"trainer.output_dir={tmp_path}/out"],
+        cwd=Path(REPO_CONF).parent, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == message
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "never-built").exists(), "the tiny model was built before the config was checked"
 
 
 def test_tiny_end_to_end_run_writes_outputs(tmp_path):
@@ -70,3 +109,16 @@ def test_wandb_tables_offline(tmp_path):
     assert saved["rows"][1] == ["pass@2", 0.4]
     tables = list((tmp_path / "run" / "wandb").rglob("*.table.json"))
     assert tables, "the table was not written to the offline wandb run"
+
+
+def test_checked_values_are_normalised_in_the_config_the_run_reads(tmp_path):
+    from async_rl.train import check_run_config
+
+    cfg = _cfg("env.max_turns=4.0", "seed=3.0", "env.env_timeout_s=5", "model.sft.steps=1e2",
+               "trainer.driver.total_steps=1e1", f"trainer.output_dir={tmp_path}")
+    checked = check_run_config(cfg)
+    # 4.0 / 3.0 / 1e2 given for integers are integers; 5 given for seconds is a float; interpolations stay
+    assert (repr(cfg.env.max_turns), repr(cfg.seed), repr(cfg.env.env_timeout_s)) == ("4", "3", "5.0")
+    assert repr(cfg.model.sft.steps) == "100" and checked.driver_cfg.total_steps == 10
+    assert cfg.trainer.run_name == "li2sao-toy_keys"
+    assert not any(tmp_path.iterdir()), "checking the config wrote files"

@@ -6,11 +6,40 @@ value is a Hydra override: ``algorithm=li2sao algorithm.gate.t_min=30``. Spec se
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from async_rl.algos.policy import LOSS_AGG_MODES
+from async_rl.validation import ConfigError, check_dataclass, dataclass_from_mapping
+
 ALGORITHMS = ("grpo", "lisao", "li2sao", "ppo", "sapo")
+POLICY_LOSSES = ("ppo_clip", "dis", "dis_clip", "vanilla")  # vanilla: verl's clipped loss with dual clip (ablation)
+
+# Allowed range of every numeric field (dotted names for nested configs), checked by validate() together
+# with each field's annotated type. A field not named here gets the range its name implies
+# (async_rl.validation.CONVENTION_RANGES: *_lr > 0, *group_size >= 1, gamma/lambda in [0, 1], clip >= 0, ...);
+# tests/test_config.py fails for a numeric field that has neither.
+ALGORITHM_RANGES = {
+    "train_batch_trajectories": ">= 1",  # B
+    "clip.clip_ratio_low": "[0, 1)",  # 1 - ε_low must stay positive
+    "critic_updates_per_batch": ">= 1",  # K
+    "gae_alpha": "> 0",  # λ = 1 - 1/(αL), clamped to [0, 1] (spec §3)
+    "dis.low": "(0, 1)",  # 1 - ε_l
+    "dis.high": "> 1",  # 1 + ε_h
+    "rank_margin": ">= 0",
+    "gate.beta": "[0, 1)",
+    "gate.eta_e": "<= 1",  # explained variance is at most 1
+    "gate.eta_a": "[0, 1]",  # ranking accuracy is a fraction
+    "gate.patience": ">= 1",
+    "gate.t_min": ">= 0",
+    "gate.t_max": ">= 1",
+    "sapo_tau_v": "> 0",
+    "sapo_r_max": "> 0",
+    "sapo_c_v": ">= 0",
+    "sapo_c_q": ">= 0",
+    "sapo_c_h": ">= 0",
+    "sapo_invalid_penalty": ">= 0",
+}
 
 
 @dataclass
@@ -52,11 +81,13 @@ class AlgorithmConfig:
     critic_updates_per_batch: int = 2  # K critic updates per batch (spec §3)
     critic_warmup_steps: int = 0  # steps with the actor frozen while the critic trains (LiSAO: 10)
     freeze_critic_attention: bool = True  # freeze `self_attn` parameters of the critic (spec §3)
-    value_clip: float = 0.2  # ε_v of the clipped value loss (spec §4)
+    value_clip: float = 0.2  # ε_v of the clipped residual loss, Eq. 10 (Li2SAO bootstrap, spec §4)
+    clip_absolute_value_loss: bool = False  # ablation: clip the absolute-return critic loss too (spec §3 uses Eq. 5, unclipped)
     gae_alpha: float = 1.5  # α of the length-adaptive λ = 1 - 1/(αL) (spec §3)
     gae_lambda: Optional[float] = None  # fixed λ instead of length-adaptive (PPO); None = adaptive
     whiten_advantages: bool = True  # whiten GAE advantages across the data-parallel group (spec §3)
-    policy_loss: str = "vanilla"  # verl policy-loss name: vanilla (clip), dis, dis_clip; Li2SAO uses dis_clip then dis, SAPO its own
+    policy_loss: str = "ppo_clip"  # verl policy-loss name: ppo_clip (Eq. 1), dis, dis_clip, vanilla (ablation: verl's, adds dual clip c=3); Li2SAO uses dis_clip then dis, SAPO its own
+    loss_agg_mode: str = "seq-mean-token-mean"  # Eq. 1: mean over trajectories of each one's token mean; token-mean = ablation
     dis: DISConfig = field(default_factory=DISConfig)
     # Li2SAO
     single_group_size: int = 1  # n_s after the switch (spec §4)
@@ -78,6 +109,15 @@ class AlgorithmConfig:
 
     def validate(self) -> None:
         """Fail before any worker starts, naming the problem and the valid choices."""
+        # every field's type (from its annotation) and range (ALGORITHM_RANGES) first: the checks below
+        # compare values and would raise a TypeError on a string such as actor_lr='abc'
+        check_dataclass(self, "algorithm", ALGORITHM_RANGES)
+        if self.gate.t_max < self.gate.t_min:
+            raise ConfigError(f"algorithm.gate.t_max={self.gate.t_max}: must be >= algorithm.gate.t_min={self.gate.t_min}")
+        if len(self.sapo_reserved_tokens) != 2 or len(set(self.sapo_reserved_tokens)) != 2 or \
+                not all(isinstance(t, str) and t for t in self.sapo_reserved_tokens):
+            raise ConfigError(f"algorithm.sapo_reserved_tokens={self.sapo_reserved_tokens}: must be two distinct "
+                              "non-empty token strings (w+, w-)")
         if self.name not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.name!r}; valid choices: {', '.join(ALGORITHMS)}")
         if self.group_size < 1 or self.train_batch_trajectories < 1:
@@ -93,27 +133,16 @@ class AlgorithmConfig:
             raise ValueError(f"{self.name} trains a critic: set use_critic=true")
         if not (0 < self.dis.low < 1 < self.dis.high):
             raise ValueError(f"DIS interval must contain 1, got ({self.dis.low}, {self.dis.high})")
-        if self.policy_loss not in ("vanilla", "dis", "dis_clip"):
-            raise ValueError(f"policy_loss {self.policy_loss!r}; valid choices: vanilla, dis, dis_clip")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"algorithm.policy_loss={self.policy_loss!r}; valid choices: {', '.join(POLICY_LOSSES)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"algorithm.loss_agg_mode={self.loss_agg_mode!r}; valid choices: "
+                             f"{', '.join(LOSS_AGG_MODES)}")
 
 
 def algorithm_config_from_dict(data: dict[str, Any]) -> AlgorithmConfig:
-    """Build an :class:`AlgorithmConfig` from a plain dict (e.g. a resolved Hydra node); unknown keys fail."""
-
-    def build(cls, values: dict):
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
-        kwargs = {}
-        for key, value in values.items():
-            sub = known[key].default_factory if known[key].default_factory is not dataclasses.MISSING else None
-            if sub is not None and dataclasses.is_dataclass(sub) and isinstance(value, dict):
-                kwargs[key] = build(sub, value)
-            else:
-                kwargs[key] = value
-        return cls(**kwargs)
-
-    cfg = build(AlgorithmConfig, dict(data))
+    """Build an :class:`AlgorithmConfig` from a plain dict (e.g. a resolved Hydra node); unknown keys, wrong
+    types and out-of-range values fail with :class:`~async_rl.validation.ConfigError`."""
+    cfg = dataclass_from_mapping(AlgorithmConfig, dict(data), "algorithm")
     cfg.validate()
     return cfg
