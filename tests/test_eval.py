@@ -88,9 +88,11 @@ def test_parse_args_loads_the_env_yaml_and_overrides():
 
 @pytest.mark.parametrize("argv, message", [
     (["model_dir=/m", "colour=red"], "Valid keys"),
-    (["model_dir=/m", "n_samples=many"], "bad eval argument"),
+    (["model_dir=/m", "n_samples=many"], "bad eval argument 'n_samples=many'"),
     (["model_dir"], "key=value"),
     (["env=no_such_env"], "unknown env 'no_such_env'"),
+    (["model_dir=/m", "n_samples="], r"n_samples= has no value: give one \(n_samples=...\) or leave n_samples out"),
+    (["model_dir=/m", "env.max_turns="], "env.max_turns= has no value"),
 ])
 def test_parse_args_errors(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -98,8 +100,8 @@ def test_parse_args_errors(argv, message):
 
 
 def test_bad_values_fail_before_the_model_loads(tmp_path):
-    with pytest.raises(ValueError, match="model_dir"):
-        main(["env=math", f"eval_sets=[{AIME_2024}]"])
+    with pytest.raises(ValueError, match="model_dir is not set and no trained model was found.*MODEL=<dir>"):
+        main(["env=math", f"eval_sets=[{AIME_2024}]", f"runs_dir={tmp_path / 'no_runs'}"])
     with pytest.raises(ValueError, match="exceeds n_samples"):
         main(["model_dir=/nowhere", "n_samples=2", "ks=[4]"])
     with pytest.raises(ValueError, match="must exceed env.code_timeout_s"):
@@ -222,3 +224,138 @@ def test_end_to_end_webshop_reports_score_and_success(tiny_model, tmp_path):
                    "max_new_tokens=4", f"output_dir={tmp_path}", "save_samples=false"])
     result = report["sets"]["webshop_test"]
     assert result["num_problems"] == 2 and 0.0 <= result["score_mean"] <= 1.0 and "success_rate" in result
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation without guessing: defaults, data fallbacks, messages
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pass_at_k_never_negative_zero():
+    from async_rl.eval import percent
+
+    # c = 0 of n = 8: lgamma round-off made 1 - exp(+2e-16) = -2.2e-16, printed as "-0.0%"
+    result = evaluate_pass_at_k({"a": [False] * 8, "b": [False] * 8}, ks=[1, 8])
+    for value in result["pass"] + [v for p in result["per_problem"].values() for v in p["pass"]]:
+        assert value == 0.0 and str(value) == "0.0"  # not -0.0, not -2e-16
+    table = format_table({"alfworld": result}, None)
+    assert "-0.0" not in table and table.splitlines()[-1].split()[-2:] == ["0.0%", "0.0%"]
+    assert f"{percent(-0.0):.1f}" == "0.0" and f"{percent(-2e-16):.1f}" == "0.0" and percent(0.25) == 25.0
+
+
+def test_empty_model_and_env_mean_unset(tmp_path):
+    # `make eval` with MODEL and ENV unset used to pass model_dir= env=, failing with "Incompatible value 'None'"
+    cfg, env_cfg = parse_args(["model_dir=", "env=", f"runs_dir={tmp_path}"])
+    assert cfg.model_dir is None and cfg.env == "math" and env_cfg.name == "math"
+    with pytest.raises(ValueError, match=f"{tmp_path / 'last_run.json'} does not exist.*make aime"):
+        main(["model_dir=", f"runs_dir={tmp_path}"])
+
+
+def test_stale_last_run_pointer_is_reported(tmp_path):
+    from async_rl.models.export import write_last_run
+
+    write_last_run(tmp_path, tmp_path / "gone", tmp_path / "gone" / "model")
+    cfg, _ = parse_args([f"runs_dir={tmp_path}"])
+    assert cfg.model_dir is None
+    with pytest.raises(ValueError, match="holds no model any more"):
+        main([f"runs_dir={tmp_path}"])
+
+
+def test_run_directory_stands_for_its_model_and_sets_env_and_output(tiny_model, tmp_path, capsys):
+    import shutil
+
+    run_dir = tmp_path / "outputs" / "my-run"
+    shutil.copytree(tiny_model, run_dir / "model")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "config.json").write_text(json.dumps({"env": {"name": "toy_keys", "max_turns": 2, "num_tasks": 8}}))
+    cfg, env_cfg = parse_args([f"model_dir={run_dir}", f"runs_dir={tmp_path / 'none'}"])
+    assert cfg.model_dir == str(run_dir / "model")
+    assert cfg.output_dir == str(run_dir / "eval")
+    # an untagged model gives no env: math, the documented default; with env=toy_keys the run's env config
+    assert cfg.env == "math" and env_cfg.name == "math"
+    cfg, env_cfg = parse_args([f"model_dir={run_dir}", "env=toy_keys", "env.max_new_tokens=3"])
+    assert env_cfg.max_turns == 2 and env_cfg.num_tasks == 8 and env_cfg.max_new_tokens == 3  # run's, then override
+    assert "env config: the one run" in capsys.readouterr().err
+
+
+def test_missing_math_data_falls_back_to_the_shipped_mini_sets(tmp_path, monkeypatch, capsys):
+    from async_rl.eval import load_sets
+
+    monkeypatch.chdir(tmp_path)  # conf/env/math.yaml's data/aime/... do not exist here
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=math", f"runs_dir={tmp_path}"])
+    assert cfg.fallback_to_mini_sets
+    sets = load_sets(cfg, env_cfg)
+    assert [name for name, _ in sets] == ["aime_2024_mini"] and len(sets[0][1]) == 5
+    err = capsys.readouterr().err
+    assert "none of env.eval_sets exists" in err and "data/aime/aime_2024.jsonl" in err
+    assert "Evaluating the mini sets shipped in recipes/data/" in err
+    assert "env.allow_hub=true" in err and "load_dataset('HuggingFaceH4/aime_2024'" in err
+
+
+def test_named_data_is_never_replaced(tmp_path, monkeypatch):
+    from async_rl.eval import load_sets
+
+    monkeypatch.chdir(tmp_path)
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=math", "env.eval_sets=[data/mine.jsonl]"])
+    assert not cfg.fallback_to_mini_sets
+    with pytest.raises(ValueError, match=r"not found .*data/mine.jsonl.*from env.eval_sets.*env.allow_hub=true"):
+        load_sets(cfg, env_cfg)
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=math", "eval_sets=[data/mine.jsonl]"])
+    with pytest.raises(ValueError, match=r"from eval_sets\)"):
+        load_sets(cfg, env_cfg)
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=math", "fallback_to_mini_sets=false"])
+    with pytest.raises(ValueError, match="HuggingFaceH4/aime_2024"):
+        load_sets(cfg, env_cfg)
+
+
+def test_part_of_the_data_missing_skips_only_that_part(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from async_rl.eval import load_sets
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "aime").mkdir(parents=True)
+    shutil.copy(AIME_2024, tmp_path / "data" / "aime" / "aime_2024.jsonl")
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=math"])
+    assert [name for name, _ in load_sets(cfg, env_cfg)] == ["aime_2024"]
+    err = capsys.readouterr().err
+    assert "skipping eval sets that do not exist" in err and "aime_2025.jsonl" in err and "aime_2026.jsonl" in err
+
+
+def test_alfworld_data_check_looks_for_game_files_not_the_folder(tmp_path, capsys):
+    from async_rl.eval import load_sets
+
+    empty = tmp_path / "alfworld"  # what `import alfworld` leaves behind: the folder, no games
+    empty.mkdir()
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=alfworld", f"runs_dir={tmp_path}"])
+    env_cfg.data_dir = str(empty)  # as if it came from $ALFWORLD_DATA: not named on the command line
+    ((name, tasks),) = load_sets(cfg, env_cfg)
+    assert name == "alfworld_valid_seen" and [t["category"] for t in tasks] == ["Cool"]  # the fixture game
+    err = capsys.readouterr().err
+    assert "no ALFWorld games for env.eval_split=eval_out_of_distribution" in err and str(empty) in err
+    assert "tests/fixtures/alfworld, split valid_seen (1 game" in err and "alfworld-download" in err
+
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=alfworld", f"env.data_dir={empty}"])
+    with pytest.raises(ValueError, match="alfworld-download.*env.data_dir="):
+        load_sets(cfg, env_cfg)
+    fixtures = FIXTURES / "alfworld"
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=alfworld", f"env.data_dir={fixtures}"])
+    with pytest.raises(ValueError, match=r"splits with games there: \['train', 'valid_seen'\].*env.eval_split="):
+        load_sets(cfg, env_cfg)
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=alfworld", f"env.data_dir={fixtures}",
+                               "env.eval_split=valid_seen"])
+    assert [name for name, _ in load_sets(cfg, env_cfg)] == ["alfworld_valid_seen"]
+    cfg, env_cfg = parse_args(["model_dir=/m", "env=alfworld", "env.eval_split=test"])
+    with pytest.raises(ValueError, match="env.eval_split='test' is not an ALFWorld split"):
+        load_sets(cfg, env_cfg)
+
+
+def test_cli_prints_one_line_fixes(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "async_rl.eval", f"runs_dir={tmp_path}"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: model_dir is not set") and "Traceback" not in proc.stderr
+    assert "Incompatible value" not in proc.stderr

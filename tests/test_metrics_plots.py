@@ -12,10 +12,16 @@ import torch
 from async_rl.algos.metrics import explained_variance, policy_lag_stats
 from async_rl.driver.trajectory import Segment, Trajectory, collate
 from async_rl.plots import (
+    ALGORITHM_PANELS,
+    PASS_AT_K_TITLE,
+    build_eval_figure,
+    build_run_figure,
     compare_runs,
+    infer_algorithm,
     load_pass_at_k,
     main,
     plot_comparison,
+    plot_eval,
     plot_run,
     switch_step,
     two_sided_ema,
@@ -109,14 +115,15 @@ def test_two_sided_ema_step_by_hand():
 
 
 # ------------------------------------------------------------------------------------- plots
-def _write_run(run_dir, steps=24, switch_at=None, lag_scale=1.0, with_critic=True, passk=None):
-    run_dir.mkdir(parents=True)
-    lines = []
+def _rows(steps=24, switch_at=None, lag_scale=1.0, with_critic=True, extra=None):
+    """Synthetic metric rows of every algorithm's keys (``extra(step) -> dict`` adds more)."""
+    rows = []
     for s in range(1, steps + 1):
         row = {
             "step": s,
             "train/success_rate": min(1.0, 0.3 + 0.02 * s + 0.05 * ((-1) ** s)),
             "train/response_length/mean": 40.0 - 0.5 * s,
+            "actor/pg_loss": 0.1 / s,
             "async/policy_lag/mean": lag_scale * (1.0 + 0.1 * (s % 3)),
             "async/policy_lag/max": lag_scale * 3.0,
             "async/off_policy_token_ratio": lag_scale * 0.2,
@@ -125,10 +132,33 @@ def _write_run(run_dir, steps=24, switch_at=None, lag_scale=1.0, with_critic=Tru
         }
         if with_critic:
             row["critic/explained_var"] = -0.5 + 0.04 * s
+            row["critic/value_loss"] = 1.0 / s
         if switch_at is not None and s == switch_at:
             row["li2sao/gate_opened"] = 1.0
-        lines.append(json.dumps(row))
-    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        if extra is not None:
+            row.update(extra(s))
+        rows.append(row)
+    return rows
+
+
+def _li2sao_metrics(s):
+    return {"li2sao/explained_var_residual": 0.05 * s, "li2sao/rank_acc": 0.5 + 0.01 * s,
+            "li2sao/ema_explained_var": 0.04 * s, "li2sao/ema_rank_acc": 0.5 + 0.008 * s,
+            "li2sao/gate_counter": float(max(0, s - 8)), "critic/ev_tokens": 0.02 * s, "critic/ev_terminal": 0.03 * s}
+
+
+def _sapo_metrics(s):
+    return {"sapo/explained_var": 0.03 * s, "sapo/v_loss": 1.0 / s, "sapo/q_loss": 1.2 / s}
+
+
+def _write_run(run_dir, steps=24, switch_at=None, lag_scale=1.0, with_critic=True, passk=None, algorithm=None,
+               extra=None, config=None):
+    run_dir.mkdir(parents=True)
+    rows = _rows(steps, switch_at, lag_scale, with_critic, extra)
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    if algorithm is not None or config is not None:
+        (run_dir / "config.json").write_text(json.dumps(config or {"algorithm": {"name": algorithm},
+                                                                  "env": {"name": "toy_keys"}}))
     if passk is not None:
         (run_dir / "pass_at_k.json").write_text(json.dumps(passk))
     return run_dir
@@ -141,21 +171,153 @@ def _assert_png(path, min_bytes=10_000):
     assert len(data) > min_bytes, f"{path} is only {len(data)} bytes"
 
 
-def test_plot_run_renders(tmp_path):
-    run = _write_run(tmp_path / "li2sao-run", switch_at=12)
+def _panels(fig):
+    """title -> axes of the visible panels (the figure's layout order)."""
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+
+
+def _texts(ax):
+    return " ".join(t.get_text() for t in ax.texts)
+
+
+def _close(fig):
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+EXPECTED_PANELS = {
+    "grpo": ["training accuracy", "policy loss", "policy lag / off-policy tokens"],
+    "lisao": ["training accuracy", "critic explained variance", "critic value loss", "policy loss",
+              "policy lag / off-policy tokens"],
+    "ppo": ["training accuracy", "critic explained variance", "critic value loss", "policy loss",
+            "policy lag / off-policy tokens"],
+    "li2sao": ["training accuracy", "critic explained variance", "Li2SAO residual EV e_k", "Li2SAO rank accuracy a_k",
+               "Li2SAO gate counter", "critic value loss", "policy lag / off-policy tokens"],
+    "sapo": ["training accuracy", "SAPO V explained variance", "SAPO V / Q losses", "policy loss",
+             "policy lag / off-policy tokens"],
+}
+ALGO_EXTRA = {"grpo": None, "lisao": None, "ppo": None, "li2sao": _li2sao_metrics, "sapo": _sapo_metrics}
+
+
+@pytest.mark.parametrize("algorithm", sorted(EXPECTED_PANELS))
+def test_run_figure_has_the_panels_of_its_algorithm(algorithm):
+    assert set(ALGORITHM_PANELS) == set(EXPECTED_PANELS)
+    rows = _rows(with_critic=algorithm in ("lisao", "ppo", "li2sao"), extra=ALGO_EXTRA[algorithm],
+                 switch_at=12 if algorithm == "li2sao" else None)
+    assert infer_algorithm(rows) == ("lisao" if algorithm == "ppo" else algorithm)  # ppo logs what lisao logs
+    fig = build_run_figure(rows, algorithm, {"algorithm": {"name": algorithm}})
+    panels = _panels(fig)
+    assert list(panels) == EXPECTED_PANELS[algorithm]
+    for title, ax in panels.items():
+        assert ax.lines, f"{title}: the synthetic run logs its metrics, so the panel must draw them"
+        assert "not logged" not in _texts(ax), title
+    _close(fig)
+
+
+def test_sapo_figure_reads_sapo_metrics_not_the_critic():
+    # the bug: a SAPO run said "no critic/explained_var in this run" although sapo/explained_var was logged
+    fig = build_run_figure(_rows(with_critic=False, extra=_sapo_metrics), config={"algorithm": {"name": "sapo"}})
+    panels = _panels(fig)
+    (line,) = panels["SAPO V explained variance"].lines
+    np.testing.assert_allclose(line.get_ydata(), [0.03 * s for s in range(1, 25)])
+    labels = [l.get_label() for l in panels["SAPO V / Q losses"].lines]
+    assert labels == ["V loss", "Q loss"]
+    assert "critic explained variance" not in panels
+    _close(fig)
+
+
+def test_panel_without_data_shows_only_its_message():
+    # Li2SAO run with a switch but no li2sao/* readiness metrics and no critic loss: the panels say so, and
+    # neither the switch line nor a threshold crosses the message
+    rows = _rows(steps=6, switch_at=3, with_critic=False)
+    fig = build_run_figure(rows, "li2sao", {})
+    panels = _panels(fig)
+    for title in ("Li2SAO residual EV e_k", "Li2SAO rank accuracy a_k", "Li2SAO gate counter", "critic value loss",
+                  "critic explained variance"):
+        ax = panels[title]
+        assert len(ax.lines) == 0 and ax.get_legend() is None, title
+        assert "not logged in this run" in _texts(ax), title
+        assert list(ax.get_xticks()) == [] and list(ax.get_yticks()) == [], title
+    acc = panels["training accuracy"]
+    assert [l.get_label() for l in acc.lines][-1] == "switch @ 3"
+    assert list(acc.lines[-1].get_xdata()) == [3, 3]
+    _close(fig)
+
+
+def test_li2sao_thresholds_from_metrics_then_config_then_defaults():
+    def hline(ax, label_start):
+        (line,) = [l for l in ax.lines if l.get_label().startswith(label_start)]
+        return line.get_ydata()[0]
+
+    logged = _rows(steps=5, extra=lambda s: {**_li2sao_metrics(s), "li2sao/eta_e": 0.3, "li2sao/eta_a": 0.7})
+    fig = build_run_figure(logged, "li2sao", {"algorithm": {"gate": {"eta_e": 0.25, "eta_a": 0.6}}})
+    panels = _panels(fig)
+    assert hline(panels["Li2SAO residual EV e_k"], "η_e") == 0.3  # the logged metric wins
+    assert hline(panels["Li2SAO rank accuracy a_k"], "η_a") == 0.7
+    _close(fig)
+    unlogged = _rows(steps=5, extra=_li2sao_metrics)
+    fig = build_run_figure(unlogged, "li2sao", {"algorithm": {"gate": {"eta_e": 0.25, "eta_a": 0.6, "patience": 4}}})
+    panels = _panels(fig)
+    assert hline(panels["Li2SAO residual EV e_k"], "η_e") == 0.25  # the run's config.json
+    assert hline(panels["Li2SAO rank accuracy a_k"], "η_a") == 0.6
+    assert hline(panels["Li2SAO gate counter"], "M (patience)") == 4
+    _close(fig)
+    fig = build_run_figure(unlogged, "li2sao", {})
+    panels = _panels(fig)
+    assert hline(panels["Li2SAO residual EV e_k"], "η_e") == 0.2  # the spec's defaults
+    assert hline(panels["Li2SAO rank accuracy a_k"], "η_a") == 0.65
+    _close(fig)
+
+
+def test_critic_ev_prefers_token_and_terminal_metrics():
+    fig = build_run_figure(_rows(steps=5, extra=_li2sao_metrics), "li2sao", {})
+    labels = [l.get_label() for l in _panels(fig)["critic explained variance"].lines]
+    assert labels == ["all model tokens", "last token (terminal)"]
+    _close(fig)
+    fig = build_run_figure(_rows(steps=5), "lisao", {})  # only the older key: drawn, and named
+    labels = [l.get_label() for l in _panels(fig)["critic explained variance"].lines]
+    assert labels == ["all model tokens (critic/explained_var)"]
+    _close(fig)
+
+
+def test_step_ticks_are_integers_for_a_short_run():
+    fig = build_run_figure(_rows(steps=3), "grpo", {})
+    fig.canvas.draw()
+    for title, ax in _panels(fig).items():
+        ticks = ax.get_xticks()
+        assert len(ticks) and all(float(t).is_integer() for t in ticks), (title, ticks)
+    _close(fig)
+
+
+def test_plot_run_renders_and_marks_a_forced_switch(tmp_path):
+    run = _write_run(tmp_path / "li2sao-run", switch_at=12, algorithm="li2sao", extra=_li2sao_metrics)
+    (run / "summary.json").write_text(json.dumps({"switch_forced": True}))
     out = plot_run(run)
     assert out == run / "training.png"
     _assert_png(out)
-    assert switch_step([json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]) == 12
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert switch_step(rows) == 12
+    fig = build_run_figure(rows, "li2sao", {}, run_dir=run)
+    assert _panels(fig)["training accuracy"].lines[-1].get_label() == "switch @ 12 (forced at T_max)"
+    _close(fig)
 
 
-def test_plot_run_with_pass_at_k_adds_a_panel(tmp_path):
-    import matplotlib.image as mpimg
-
-    plain = plot_run(_write_run(tmp_path / "a"))
-    withk = plot_run(_write_run(tmp_path / "b", passk={"k": [1, 2, 4, 8], "pass": [0.4, 0.55, 0.7, 0.8]}))
-    _assert_png(withk)
-    assert mpimg.imread(withk).shape[1] > mpimg.imread(plain).shape[1]  # four panels are wider than three
+def test_pass_at_k_panel_from_the_run_or_its_eval_folder(tmp_path):
+    plain = _write_run(tmp_path / "a", algorithm="grpo")
+    assert load_pass_at_k(plain) is None
+    run = _write_run(tmp_path / "b", algorithm="grpo")
+    (run / "eval").mkdir()
+    (run / "eval" / "pass_at_k.json").write_text(json.dumps(
+        {"sets": {"aime_2024": {"k": [1, 2], "pass": [0.1, 0.2]}}, "mean": {"k": [1, 2], "pass": [0.1, 0.2]}}))
+    passk = load_pass_at_k(run)
+    assert passk == {"k": [1, 2], "pass": [0.1, 0.2]}
+    fig = build_run_figure(_rows(steps=4, with_critic=False), "grpo", {}, pass_at_k=passk)
+    panels = _panels(fig)
+    assert list(panels)[-1] == PASS_AT_K_TITLE
+    assert [round(b.get_height(), 6) for b in panels[PASS_AT_K_TITLE].patches] == [0.1, 0.2]
+    _close(fig)
+    _assert_png(plot_run(run))
 
 
 def test_pass_at_k_json_validation(tmp_path):
@@ -163,6 +325,33 @@ def test_pass_at_k_json_validation(tmp_path):
     (tmp_path / "pass_at_k.json").write_text(json.dumps({"k": [1, 2], "pass": [0.5]}))
     with pytest.raises(ValueError, match="equal length"):
         load_pass_at_k(tmp_path)
+
+
+def test_eval_figure_pass_at_k_per_year_and_success_per_category(tmp_path):
+    math_report = {"env": "math", "n_samples": 4, "model_dir": "outputs/run/model",
+                   "sets": {"aime_2024": {"k": [1, 2, 4], "pass": [0.1, 0.2, 0.3], "year": 2024},
+                            "aime_2025": {"k": [1, 2, 4], "pass": [0.0, 0.1, 0.2], "year": 2025}},
+                   "mean": {"k": [1, 2, 4], "pass": [0.05, 0.15, 0.25]}}
+    fig = build_eval_figure(math_report)
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    assert ax.get_title() == "pass@k per AIME year"
+    assert [l.get_label() for l in ax.lines] == ["aime_2024", "aime_2025", "mean over sets"]
+    np.testing.assert_allclose(ax.lines[2].get_ydata(), [0.05, 0.15, 0.25])
+    _close(fig)
+    alfworld = {"env": "alfworld", "n_samples": 2,
+                "sets": {"alfworld_valid_unseen": {"k": [1, 2], "pass": [0.25, 0.5], "success_rate": 0.25,
+                                                   "success_by_category": {"Cool": 0.0, "Pick": 0.5, "All": 0.25}}},
+                "mean": {"k": [1, 2], "pass": [0.25, 0.5]}}
+    fig = build_eval_figure(alfworld)
+    panels = _panels(fig)
+    assert list(panels) == ["pass@k per set", "success per ALFWorld category"]
+    bars = panels["success per ALFWorld category"].patches
+    assert [round(b.get_height(), 6) for b in bars] == [0.0, 0.5, 0.25]  # Cool, Pick, All
+    assert [t.get_text() for t in panels["success per ALFWorld category"].get_xticklabels()] == ["Cool", "Pick", "All"]
+    _close(fig)
+    _assert_png(plot_eval(alfworld, tmp_path / "eval.png"), min_bytes=5_000)
+    with pytest.raises(ValueError, match="no sets"):
+        build_eval_figure({"sets": {}})
 
 
 def test_comparison_of_two_runs(tmp_path):
@@ -197,12 +386,20 @@ def test_plot_cli_two_runs(tmp_path):
     assert not (second / "comparison.png").exists()
 
 
-def test_plot_cli_single_run_in_process(tmp_path, capsys):
-    run = _write_run(tmp_path / "solo")
-    main([str(run)])
+def test_plot_cli_without_a_run_plots_the_last_run(tmp_path, capsys):
+    from async_rl.models.export import write_last_run
+
+    outputs = tmp_path / "outputs"
+    with pytest.raises(SystemExit):  # nothing trained yet: the error says what to pass
+        main(["--outputs", str(outputs)])
+    assert "make plots RUN=outputs/<run>" in capsys.readouterr().err
+    run = _write_run(outputs / "solo", algorithm="sapo", extra=_sapo_metrics, with_critic=False)
+    write_last_run(outputs, run, run / "model")
+    main(["--outputs", str(outputs)])
     _assert_png(run / "training.png")
     assert not (run / "comparison.png").exists()
-    assert "training.png" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"plotting the last run, {run}" in printed and "training.png" in printed
 
 
 def test_missing_metrics_file_is_explained(tmp_path):
@@ -211,10 +408,6 @@ def test_missing_metrics_file_is_explained(tmp_path):
 
 
 def test_plot_reads_the_eval_report_format(tmp_path):
-    import json
-
-    from async_rl.plots import load_pass_at_k
-
     (tmp_path / "pass_at_k.json").write_text(json.dumps(
         {"sets": {"aime_2024": {"k": [1, 2], "pass": [0.1, 0.2]}}, "mean": {"k": [1, 2], "pass": [0.1, 0.2]}}))
     assert load_pass_at_k(tmp_path) == {"k": [1, 2], "pass": [0.1, 0.2]}

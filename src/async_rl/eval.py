@@ -1,12 +1,28 @@
 """Evaluate a checkpoint: unbiased pass@k per evaluation set (AIME year) and their mean (spec §6).
 
+    python -m async_rl.eval                       # the latest model a run exported, on the env it trained on
     python -m async_rl.eval model_dir=/ckpt/qwen2.5-1.5b env=math \\
         'eval_sets=[data/aime/aime_2024.jsonl,data/aime/aime_2025.jsonl]' n_samples=16 temperature=1.0
 
 Arguments are ``key=value`` (OmegaConf syntax, as with Hydra; quote lists for the shell). ``env=NAME`` loads
 ``conf/env/NAME.yaml`` (or just names a registered env); ``env.KEY=VALUE`` overrides a key of it. Every
-other key is a field of :class:`EvalConfig` (``python -m async_rl.eval --help`` lists them); unknown keys
-and wrong types fail before the model loads.
+other key is a field of :class:`EvalConfig` (``python -m async_rl.eval --help`` lists them); unknown keys,
+empty values and wrong types fail before the model loads.
+
+Defaults, so that nothing has to be guessed (each choice is printed):
+
+* no ``model_dir``: the model the last training run exported (``outputs/last_run.json``, written by
+  :mod:`async_rl.models.export`); a run directory (``outputs/<run>``) stands for its ``model/``;
+* no ``env``: the env that model was trained on (else ``math``); for a model a run exported, the env config
+  is the one the run trained with (its ``config.json``), so a recipe's own eval sets and budgets apply;
+* missing data: when none of the env's eval files exist (math / retool) or its ALFWorld split holds no
+  games, the mini sets shipped with the recipes (``recipes/data/aime_*_mini.jsonl``, the ALFWorld games in
+  ``tests/fixtures/alfworld``) are evaluated instead, saying so, unless you named the data yourself
+  (``eval_sets``, ``env.eval_sets``, ``env.data_dir``, ``env.eval_split``) or set
+  ``fallback_to_mini_sets=false``; errors name the key to set and the command that fetches the data;
+* ``output_dir``: ``<run dir>/eval`` for a model a run exported (``make plots`` then shows pass@k next to
+  the training curves), else ``outputs/eval``; ``eval.png`` (pass@k per set, success per category) is
+  written there with ``pass_at_k.json``.
 
 Recipe, top to bottom:
 
@@ -39,9 +55,19 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-__all__ = ["DEFAULT_KS", "EvalConfig", "evaluate_pass_at_k", "format_table", "main", "parse_args", "run_eval"]
+__all__ = ["DEFAULT_KS", "EvalConfig", "EvalSetupError", "choose_model", "evaluate_pass_at_k", "format_table", "main",
+           "parse_args", "percent", "run_eval"]
 
-REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_CONF = REPO_ROOT / "conf"
+#: the evaluation data shipped in the repository (used when the real sets are missing; see the docstring)
+MINI_MATH_SETS_GLOB = "recipes/data/aime_*_mini.jsonl"
+MINI_ALFWORLD_DIRS = ("recipes/data/alfworld", "tests/fixtures/alfworld")
+#: ALFWorld splits tried, in order, on the shipped mini set when the requested one has no games there
+MINI_ALFWORLD_SPLITS = ("valid_unseen", "valid_seen")
+FETCH_AIME = ('python -c "from datasets import load_dataset; load_dataset(\'HuggingFaceH4/aime_2024\', '
+              'split=\'train\').to_json(\'data/aime/aime_2024.jsonl\')"')
+FETCH_ALFWORLD = "alfworld-download"
 DEFAULT_KS: tuple[int, ...] = (1, 2, 4, 8, 16)
 TOY_SETS: tuple[str, ...] = ("toy_keys", "toy_echo", "retool_toy")
 # agent envs evaluated on a split of their own data, with success per category / mean score
@@ -80,7 +106,9 @@ def evaluate_pass_at_k(samples_correct: Mapping[Any, Sequence[bool]], ks: Sequen
         raise ValueError(f"problems without samples: {empty[:5]}")
     wanted = sorted({int(k) for k in ks})
     usable = [k for k in wanted if k <= n.min()]
-    per_k = {k: pass_at_k(n, c, k) for k in usable}  # (P,) each
+    # lgamma round-off gives 1 - exp(+1e-16) = -2e-16 for c = 0 (printed as "-0.0%"): clip to [0, 1], +0.0
+    # turns a remaining -0.0 into 0.0
+    per_k = {k: np.clip(pass_at_k(n, c, k), 0.0, 1.0) + 0.0 for k in usable}  # (P,) each
     return {
         "k": usable,
         "pass": [float(per_k[k].mean()) for k in usable],
@@ -114,6 +142,12 @@ def success_and_score(tasks: Sequence[Mapping[str, Any]], trajectories: Sequence
     return out
 
 
+def percent(fraction: float) -> float:
+    """``100 * fraction`` for printing a rate: never below 0 and never negative zero (``f"{-0.0:.1f}"`` is
+    ``"-0.0"``; ``-0.0 + 0.0`` is ``0.0``)."""
+    return max(100.0 * float(fraction), 0.0) + 0.0
+
+
 def format_table(sets: Mapping[str, Mapping[str, Any]], mean: Mapping[str, Any] | None) -> str:
     """Plain-text table: one row per set (name, year, problems, pass@k in %), then the mean row."""
     ks: list[int] = sorted({k for result in sets.values() for k in result["k"]})
@@ -123,7 +157,7 @@ def format_table(sets: Mapping[str, Mapping[str, Any]], mean: Mapping[str, Any] 
 
     def row(name: str, year: Any, problems: Any, result: Mapping[str, Any]) -> str:
         values = dict(zip(result["k"], result["pass"]))
-        cells = "".join(f"  {100 * values[k]:>7.1f}%" if k in values else f"  {'-':>8}" for k in ks)
+        cells = "".join(f"  {percent(values[k]):>7.1f}%" if k in values else f"  {'-':>8}" for k in ks)
         return f"{name:<{name_width}}  {str(year or ''):>4}  {str(problems):>8}{cells}"
 
     for name, result in sets.items():
@@ -143,8 +177,11 @@ def format_table(sets: Mapping[str, Mapping[str, Any]], mean: Mapping[str, Any] 
 class EvalConfig:
     """Evaluation options (``key=value`` on the command line)."""
 
-    model_dir: str = field(default="", metadata={"help": "local Hugging Face checkpoint directory (required)"})
-    env: str = field(default="math", metadata={"help": "env name; conf/env/<env>.yaml supplies defaults"})
+    model_dir: Optional[str] = field(default=None, metadata={
+        "help": "local Hugging Face checkpoint or run directory; null: the latest exported model "
+                "(<runs_dir>/last_run.json)"})
+    env: Optional[str] = field(default=None, metadata={
+        "help": "env name (conf/env/<env>.yaml supplies defaults); null: the env the model was trained on, else math"})
     eval_sets: list[Any] = field(default_factory=list, metadata={
         "help": "files / dirs / {path, name, year, ...} mappings, or toy_keys / toy_echo / retool_toy; "
                 "empty = env.eval_sets (toy envs: the env's own toy set)"})
@@ -164,8 +201,16 @@ class EvalConfig:
     dtype: Optional[str] = field(default=None, metadata={"help": "model dtype (null: the checkpoint's)"})
     torch_threads: int = field(default=0, metadata={"help": "torch.set_num_threads on CPU (0: leave as is)"})
     system_prompt: Optional[str] = field(default=None, metadata={"help": "system message for every prompt"})
-    output_dir: str = field(default="outputs/eval", metadata={"help": "where pass_at_k.json / samples.jsonl go"})
+    output_dir: Optional[str] = field(default=None, metadata={
+        "help": "where pass_at_k.json / samples.jsonl / eval.png go; null: <run dir>/eval for a model a run "
+                "exported, else outputs/eval"})
     save_samples: bool = field(default=True, metadata={"help": "write samples.jsonl (every response)"})
+    plot: bool = field(default=True, metadata={"help": "write eval.png (pass@k per set, success per category)"})
+    runs_dir: str = field(default="outputs", metadata={
+        "help": "training output root holding last_run.json (trainer.output_dir)"})
+    fallback_to_mini_sets: bool = field(default=True, metadata={
+        "help": "when the env's data is missing, evaluate the mini sets shipped in the repo (and say so); "
+                "off when you name the data (eval_sets, env.eval_sets, env.data_dir, env.eval_split)"})
     wandb: bool = field(default=False, metadata={"help": "also log pass@k tables to wandb (offline unless WANDB_MODE=online)"})
 
 
@@ -173,8 +218,8 @@ def usage() -> str:
     lines = [__doc__.strip().splitlines()[0], "", "usage: python -m async_rl.eval key=value ...", ""]
     for f in dataclasses.fields(EvalConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  {f.name:<20} {f.metadata.get('help', '')} [default: {default!r}]")
-    lines.append("  env.KEY=VALUE        override a key of conf/env/<env>.yaml")
+        lines.append(f"  {f.name:<21} {f.metadata.get('help', '')} [default: {default!r}]")
+    lines.append("  env.KEY=VALUE         override a key of conf/env/<env>.yaml")
     return "\n".join(lines)
 
 
@@ -197,13 +242,89 @@ def _load_env_cfg(name: str):
                      f"Configs: {available}; registered envs: {registered_env_names()}")
 
 
+def note(message: str) -> None:
+    """A choice the evaluation made for the user (model, env config, data fallback), on stderr."""
+    print(f"[eval] {message}", file=sys.stderr, flush=True)
+
+
+def _shown(path: str | Path) -> str:
+    """``path`` relative to the working directory when it is below it (shorter messages), else as is."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+@dataclass
+class ModelChoice:
+    """Which checkpoint to evaluate and, for a model a run exported, that run."""
+
+    model_dir: Optional[Path]  # None: nothing found (``_validate`` says what to do)
+    how: str  # "given" | "run directory" | "last run" | "none" | "stale pointer"
+    info: dict[str, Any] = field(default_factory=dict)  # config.json's "async_rl" field (or the pointer)
+    run_dir: Optional[Path] = None  # the run that exported it, when its directory is still there
+
+
+def choose_model(model_dir: Optional[str], runs_dir: str) -> ModelChoice:
+    """``model_dir`` as given (a run directory stands for its ``model/``), else the model of
+    ``<runs_dir>/last_run.json``. Never raises for a missing model: :func:`_validate` does, with the fix."""
+    from async_rl.models.export import exported_model_info, read_last_run, resolve_model_dir
+
+    if model_dir:
+        path = resolve_model_dir(model_dir)
+        how = "given" if path == Path(model_dir).expanduser() else "run directory"
+    else:
+        record = read_last_run(runs_dir)
+        if record is None:
+            return ModelChoice(None, "none")
+        path = Path(record["model_dir"])
+        if not (path / "config.json").is_file():
+            return ModelChoice(None, "stale pointer", dict(record))
+        how = "last run"
+    info = exported_model_info(path) or {}
+    run_dir = None
+    # outputs/<run>/model: the run is the parent (robust to a moved outputs/); else the recorded run_dir
+    for candidate in ([path.parent] if path.name == "model" else []) + ([Path(info["run_dir"])]
+                                                                          if info.get("run_dir") else []):
+        if (candidate / "config.json").is_file() and (candidate / "metrics.jsonl").is_file():
+            run_dir = candidate
+            break
+    return ModelChoice(path, how, info, run_dir)
+
+
+def _run_env_config(run_dir: Optional[Path], env_name: str):
+    """The env config a run trained with (its ``config.json``), when that run used ``env_name``; else None."""
+    from omegaconf import OmegaConf
+
+    if run_dir is None:
+        return None
+    try:
+        env = json.loads((run_dir / "config.json").read_text()).get("env")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(env, dict) or env.get("name") != env_name:
+        return None
+    return OmegaConf.create(env)
+
+
+# keys that name evaluation data: given by the user, there is no fallback to the shipped mini sets
+_DATA_KEYS = ("eval_sets", "data_dir", "eval_split")
+# EvalConfig keys where an empty value means "not given" (`make eval MODEL=` passes model_dir=)
+_EMPTY_MEANS_UNSET = ("model_dir", "env", "output_dir")
+
+
 def parse_args(argv: Sequence[str]):
-    """``(cfg, env_cfg)`` OmegaConf objects from ``key=value`` arguments (see the module docstring)."""
+    """``(cfg, env_cfg)`` OmegaConf objects from ``key=value`` arguments (see the module docstring).
+
+    Resolves the defaults the docstring lists (model, env, env config, output directory), printing each
+    choice; a model that cannot be found leaves ``cfg.model_dir`` null for :func:`run_eval` to report.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     main_items, env_items = [], []
     env_name = None
+    valid = ", ".join(f.name for f in dataclasses.fields(EvalConfig))
     for arg in argv:
         if arg in ("-h", "--help"):
             print(usage())
@@ -212,28 +333,78 @@ def parse_args(argv: Sequence[str]):
         key, sep, value = arg.partition("=")
         if not sep or not key:
             raise ValueError(f"arguments are key=value, got {arg!r}; see python -m async_rl.eval --help")
+        if value.strip() == "":
+            if key in _EMPTY_MEANS_UNSET:
+                continue
+            raise ValueError(f"{key}= has no value: give one ({key}=...) or leave {key} out "
+                             f"(python -m async_rl.eval --help lists the keys and defaults)")
         if key == "env":
             env_name = value
         elif key.startswith("env."):
             env_items.append(arg[len("env."):])
         else:
             main_items.append(arg)
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(EvalConfig), OmegaConf.from_dotlist(main_items))
-    except OmegaConfBaseException as exc:
-        valid = ", ".join(f.name for f in dataclasses.fields(EvalConfig))
-        raise ValueError(f"bad eval argument: {exc}\nValid keys: {valid}, env.KEY") from exc
+    cfg = OmegaConf.structured(EvalConfig)
+    for item in main_items:  # one at a time, so the error names the argument
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            reason = str(getattr(exc, "msg", None) or exc).splitlines()[0]
+            raise ValueError(f"bad eval argument {item!r}: {reason}\nValid keys: {valid}, env.KEY") from exc
+    given = {item.split("=", 1)[0] for item in main_items}
+    env_given = {item.split("=", 1)[0].split(".", 1)[0] for item in env_items}
+    if "fallback_to_mini_sets" not in given and (given | env_given) & set(_DATA_KEYS):
+        cfg.fallback_to_mini_sets = False  # the user named the data: evaluate exactly that
+
+    choice = choose_model(cfg.model_dir, cfg.runs_dir)
+    if choice.model_dir is not None:
+        cfg.model_dir = str(choice.model_dir)
+        if choice.how != "given" or choice.info:
+            what = ", ".join(f"{k} {choice.info[k]}" for k in ("algorithm", "env", "step") if k in choice.info)
+            source = {"last run": f"the latest exported model (from {_shown(Path(cfg.runs_dir) / 'last_run.json')})",
+                      "run directory": "the model of that run directory"}.get(choice.how, "exported by async_rl")
+            note(f"model: {_shown(choice.model_dir)}, {source}" + (f"; trained with {what}" if what else ""))
     if env_name is not None:
         cfg.env = env_name
-    env_cfg = _load_env_cfg(cfg.env)
+        trained_on = choice.info.get("env")
+        if trained_on and trained_on != env_name:
+            note(f"env: {env_name}, as asked; the model was trained on {trained_on} (its settings do not apply)")
+    elif cfg.env is None:
+        cfg.env = str(choice.info.get("env") or "math")
+        if choice.info.get("env"):
+            note(f"env: {cfg.env} (the env the model was trained on; env=NAME to change)")
+    env_cfg = _run_env_config(choice.run_dir, cfg.env)
+    if env_cfg is not None:
+        note(f"env config: the one run {_shown(choice.run_dir)} trained with (its config.json); env.KEY=VALUE "
+             "overrides a key")
+    else:
+        env_cfg = _load_env_cfg(cfg.env)
     if env_items:
-        env_cfg = OmegaConf.merge(env_cfg, OmegaConf.from_dotlist(env_items))
+        try:
+            env_cfg = OmegaConf.merge(env_cfg, OmegaConf.from_dotlist(env_items))
+        except OmegaConfBaseException as exc:
+            raise ValueError(f"bad env override in {['env.' + i for i in env_items]}: {exc}") from exc
+    if cfg.output_dir is None:
+        cfg.output_dir = str(choice.run_dir / "eval") if choice.run_dir is not None else "outputs/eval"
     return cfg, env_cfg
+
+
+class EvalSetupError(ValueError):
+    """The evaluation cannot start (model, data or options); the message names the key to set and the fix."""
 
 
 def _validate(cfg) -> None:
     if not cfg.model_dir:
-        raise ValueError("model_dir=... is required (a local Hugging Face checkpoint directory)")
+        pointer = Path(cfg.runs_dir) / "last_run.json"
+        fix = ("train one first (e.g. `make aime ALGO=li2sao SIZE=tiny` or `make train`: every run exports its "
+               "policy to outputs/<run>/model), or pass a checkpoint: MODEL=<dir> (model_dir=<dir>)")
+        if pointer.is_file():
+            from async_rl.models.export import read_last_run
+
+            stale = (read_last_run(cfg.runs_dir) or {}).get("model_dir")
+            raise ValueError(f"model_dir is not set and {pointer} points at {stale}, which holds no model any "
+                             f"more: {fix}")
+        raise ValueError(f"model_dir is not set and no trained model was found ({pointer} does not exist): {fix}")
     if cfg.n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {cfg.n_samples}")
     if not cfg.ks or min(cfg.ks) < 1:
@@ -258,8 +429,98 @@ def _set_year(records: Sequence[Mapping[str, Any]]) -> int | None:
     return years.most_common(1)[0][0] if years else None
 
 
+def _spec_path(spec: Any) -> Optional[str]:
+    """The data path of an eval-set spec (a path or a ``{path, ...}`` mapping); None for a toy set name."""
+    if isinstance(spec, str):
+        return None if spec in TOY_SETS else spec
+    if isinstance(spec, Mapping) or hasattr(spec, "items"):
+        path = spec.get("path")
+        return None if path is None else str(path)
+    return None
+
+
+def _missing_data(specs: Sequence[Any], allow_hub: bool) -> list[str]:
+    """Paths among ``specs`` that are not on disk (with ``allow_hub`` a missing path may be a Hub name)."""
+    if allow_hub:
+        return []
+    paths = [_spec_path(spec) for spec in specs]
+    return [path for path in paths if path is not None and not Path(path).expanduser().exists()]
+
+
+def _math_data_hint() -> str:
+    return (f"Fetch the AIME sets into data/aime/ (docs/evaluation.md, Data setup), e.g. `{FETCH_AIME}` and "
+            "likewise for 2025 and 2026; or point eval_sets=[...] (env.eval_sets) at your files; or set "
+            "env.allow_hub=true to load Hub names such as eval_sets=[HuggingFaceH4/aime_2024]")
+
+
+def _math_specs(cfg, env_cfg, specs: list[Any]) -> list[Any]:
+    """The eval-set specs of a math-like env, with the shipped mini sets standing in for missing data."""
+    explicit = bool(cfg.eval_sets)
+    missing = _missing_data(specs, bool(env_cfg.get("allow_hub")))
+    if not missing:
+        return specs
+    where = f"(relative to {Path.cwd()})"
+    wanted = [path for path in (_spec_path(spec) for spec in specs) if path is not None]
+    if explicit or not cfg.fallback_to_mini_sets:
+        key = "eval_sets" if explicit else "env.eval_sets"
+        raise ValueError(f"eval set(s) not found {where}: {missing} (from {key}). {_math_data_hint()}")
+    if len(missing) < len(wanted):  # part of the data is there: evaluate that part, say what is left out
+        note(f"WARNING: skipping eval sets that do not exist {where}: {missing}. {_math_data_hint()}")
+        return [spec for spec in specs if _spec_path(spec) not in missing]
+    mini = sorted(REPO_ROOT.glob(MINI_MATH_SETS_GLOB))
+    if not mini:
+        raise ValueError(f"no evaluation data: none of env.eval_sets exists {where}: {missing}, and no mini set "
+                         f"matches {REPO_ROOT / MINI_MATH_SETS_GLOB}. {_math_data_hint()}")
+    note(f"no evaluation data: none of env.eval_sets exists {where}: {missing}. Evaluating the mini sets "
+         f"shipped in recipes/data/ instead: {[_shown(path) for path in mini]} (a few problems: a smoke test, "
+         f"not a benchmark). {_math_data_hint()}")
+    return [str(path) for path in mini]
+
+
+def _alfworld_split_games(data_dir: Any, split: str) -> int:
+    """Playable games of ``split`` under ``data_dir`` (0 when the folder or its game files are missing)."""
+    from async_rl.envs.alfworld_env import make_alfworld_tasks
+
+    try:
+        return len(make_alfworld_tasks(data_dir=data_dir, split=split, seed=None))
+    except FileNotFoundError:
+        return 0
+
+
+def _alfworld_eval_config(cfg, env_cfg, split: str):
+    """``(env_cfg, split)`` with games to play: the configured data when its split has any, else (when
+    allowed) the shipped mini set. The check looks for game files, not folders: importing alfworld
+    creates an empty ``~/.cache/alfworld``."""
+    from omegaconf import OmegaConf
+
+    from async_rl.envs.alfworld_env import ALFWORLD_SPLITS, resolve_data_dir
+
+    if split not in ALFWORLD_SPLITS:
+        raise ValueError(f"env.eval_split={split!r} is not an ALFWorld split; valid: {', '.join(ALFWORLD_SPLITS)}")
+    root = resolve_data_dir(env_cfg.get("data_dir"))
+    if _alfworld_split_games(root, split):
+        return env_cfg, split
+    have = [name for name in ("train", "valid_seen", "valid_unseen") if _alfworld_split_games(root, name)]
+    problem = (f"no ALFWorld games for env.eval_split={split} (json_2.1.1/{ALFWORLD_SPLITS[split]}/*/*/ with "
+               f"traj_data.json and game.tw-pddl) under env.data_dir={root}"
+               + (f"; splits with games there: {have}" if have else ""))
+    fix = (f"run `{FETCH_ALFWORLD}` (it fills $ALFWORLD_DATA, default ~/.cache/alfworld), or set "
+           "env.data_dir=<the folder holding json_2.1.1/>" + (f", or env.eval_split=<one of {have}>" if have else ""))
+    if cfg.fallback_to_mini_sets:
+        for mini_dir in (REPO_ROOT / d for d in MINI_ALFWORLD_DIRS):
+            for mini_split in (split, *MINI_ALFWORLD_SPLITS):
+                count = _alfworld_split_games(mini_dir, mini_split)
+                if count:
+                    note(f"{problem}. Evaluating the mini set shipped in the repo instead: {_shown(mini_dir)}, "
+                         f"split {mini_split} ({count} game{'s' if count != 1 else ''}: a smoke test, not a "
+                         f"benchmark). For the real games: {fix}.")
+                    return OmegaConf.merge(env_cfg, {"data_dir": str(mini_dir)}), mini_split
+    raise ValueError(f"{problem}. To fix: {fix}.")
+
+
 def load_sets(cfg, env_cfg) -> list[tuple[str, list[dict[str, Any]]]]:
-    """``[(set name, task records)]`` in the order given."""
+    """``[(set name, task records)]`` in the order given (missing data: see :func:`_math_specs`,
+    :func:`_alfworld_eval_config`)."""
     from async_rl.data.math_data import load_eval_set
 
     specs = list(cfg.eval_sets) or list(env_cfg.get("eval_sets") or [])
@@ -267,8 +528,10 @@ def load_sets(cfg, env_cfg) -> list[tuple[str, list[dict[str, Any]]]]:
         # agent tasks: the env config's evaluation split (ALFWorld eval_out_of_distribution, WebShop test)
         from omegaconf import OmegaConf
 
-        eval_cfg = OmegaConf.merge(env_cfg, {"split": env_cfg.get("eval_split") or AGENT_ENVS[env_cfg.name],
-                                             "num_tasks": cfg.limit or env_cfg.get("num_tasks")})
+        split = str(env_cfg.get("eval_split") or AGENT_ENVS[env_cfg.name])
+        if env_cfg.name == "alfworld":
+            env_cfg, split = _alfworld_eval_config(cfg, env_cfg, split)
+        eval_cfg = OmegaConf.merge(env_cfg, {"split": split, "num_tasks": cfg.limit or env_cfg.get("num_tasks")})
         if env_cfg.name == "alfworld":
             from async_rl.envs.alfworld_env import make_alfworld_tasks_from_config
 
@@ -281,7 +544,9 @@ def load_sets(cfg, env_cfg) -> list[tuple[str, list[dict[str, Any]]]]:
     if not specs and env_cfg.name in TOY_SETS:
         specs = [env_cfg.name]
     if not specs:
-        raise ValueError(f"no evaluation sets: pass eval_sets=[...] or set eval_sets in conf/env/{cfg.env}.yaml")
+        raise ValueError(f"no evaluation sets for env {env_cfg.name!r}: pass eval_sets=[<file>,...] or set "
+                         f"env.eval_sets (conf/env/{env_cfg.name}.yaml)")
+    specs = _math_specs(cfg, env_cfg, specs)
     sets = []
     for spec in specs:
         if isinstance(spec, str) and spec in TOY_SETS:
@@ -315,9 +580,9 @@ def make_env_factory(env_cfg, max_turns: int) -> Callable[[], Any]:
         kwargs = retool_env_kwargs(env_cfg)
         kwargs["max_turns"] = max_turns
     elif name == "math":
-        for key in ("verify_timeout_s",):
-            if env_cfg.get(key) is not None:
-                kwargs[key] = env_cfg.get(key)
+        from async_rl.envs.math_env import math_env_kwargs
+
+        kwargs = math_env_kwargs(env_cfg)  # grader options: verify_timeout_s, fallback_last_number (off by default)
     elif name == "webshop":
         from async_rl.envs.webshop import webshop_env_kwargs
 
@@ -380,18 +645,22 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
     """Evaluate and write ``pass_at_k.json`` (+ ``samples.jsonl``); returns the JSON content."""
     from omegaconf import OmegaConf
 
-    _validate(cfg)
-    max_turns = int(cfg.max_turns or env_cfg.get("max_turns") or 1)
-    max_new_tokens = int(cfg.max_new_tokens or env_cfg.get("max_new_tokens") or 1024)
-    max_response_tokens = int(cfg.max_response_tokens or env_cfg.get("max_response_tokens")
-                              or max_new_tokens * max_turns)
-    env_timeout_s = float(env_cfg.get("env_timeout_s") or 60.0)
-    code_timeout_s = env_cfg.get("code_timeout_s")
-    if code_timeout_s is not None and env_timeout_s <= float(code_timeout_s):
-        raise ValueError(f"env.env_timeout_s={env_timeout_s:g} must exceed env.code_timeout_s={code_timeout_s:g}, "
-                         "or every slow code run aborts its episode instead of showing a timeout to the model")
-    sets = load_sets(cfg, env_cfg)  # data problems surface before the model loads
-    env_factory = make_env_factory(env_cfg, max_turns)
+    try:  # every setup problem (arguments, model, data, env options) surfaces before the model loads
+        _validate(cfg)
+        max_turns = int(cfg.max_turns or env_cfg.get("max_turns") or 1)
+        max_new_tokens = int(cfg.max_new_tokens or env_cfg.get("max_new_tokens") or 1024)
+        max_response_tokens = int(cfg.max_response_tokens or env_cfg.get("max_response_tokens")
+                                  or max_new_tokens * max_turns)
+        env_timeout_s = float(env_cfg.get("env_timeout_s") or 60.0)
+        code_timeout_s = env_cfg.get("code_timeout_s")
+        if code_timeout_s is not None and env_timeout_s <= float(code_timeout_s):
+            raise ValueError(f"env.env_timeout_s={env_timeout_s:g} must exceed env.code_timeout_s="
+                             f"{code_timeout_s:g}, or every slow code run aborts its episode instead of showing a "
+                             "timeout to the model")
+        sets = load_sets(cfg, env_cfg)
+        env_factory = make_env_factory(env_cfg, max_turns)
+    except (ValueError, FileNotFoundError) as exc:
+        raise EvalSetupError(str(exc)) from exc
 
     import torch
 
@@ -402,11 +671,18 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
     if cfg.device == "cpu" and cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
     torch.manual_seed(cfg.seed)
+    from async_rl.models.export import banned_token_ids_of
+
     engine = HFRolloutEngine(cfg.model_dir, device=cfg.device, dtype=cfg.dtype)
     formatter = ChatFormatter(engine.tokenizer, system_prompt=cfg.system_prompt)
     stop_ids = (formatter.end_token_id,) if formatter.end_token_id is not None else ()
+    # a SAPO policy never samples its two value-readout ids (recorded in its config.json by the export)
+    banned = banned_token_ids_of(cfg.model_dir)
+    if banned:
+        note(f"banning the SAPO value-readout ids {list(banned)} in sampling, as in training")
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=max_new_tokens,
-                              stop_token_ids=stop_ids, stop_strings=tuple(env_cfg.get("stop_strings") or ()))
+                              stop_token_ids=stop_ids, banned_token_ids=banned,
+                              stop_strings=tuple(env_cfg.get("stop_strings") or ()))
     limits = EpisodeLimits(max_turns=max_turns, max_response_tokens=max_response_tokens, env_timeout_s=env_timeout_s,
                            max_context_tokens=engine.max_positions)
 
@@ -483,17 +759,21 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
         "env_config": OmegaConf.to_container(env_cfg, resolve=True),
     }
     (out_dir / "pass_at_k.json").write_text(json.dumps(report, indent=2) + "\n")
+    if cfg.plot:
+        from async_rl.plots import plot_eval
+
+        report["plot"] = str(plot_eval(report, out_dir / "eval.png"))
     if cfg.wandb:
         _log_wandb(report, out_dir, cfg)
     print(f"\npass@k, n={cfg.n_samples} samples per problem, temperature {cfg.temperature:g} ({env_cfg.name}; "
           f"{cfg.model_dir})")
     print(format_table(results, mean))
     for name, r in results.items():
-        line = f"{name}: success {r['success_rate']:.3f}, score {r['score_mean']:.3f}"
+        line = f"{name}: success {percent(r['success_rate']):.1f}%, score {r['score_mean'] + 0.0:.3f}"
         if "success_by_category" in r:
-            line += " | " + ", ".join(f"{c} {v:.3f}" for c, v in r["success_by_category"].items())
+            line += " | " + ", ".join(f"{c} {percent(v):.1f}%" for c, v in r["success_by_category"].items())
         print(line)
-    print(f"\nwrote {out_dir / 'pass_at_k.json'}")
+    print(f"\nwrote {out_dir / 'pass_at_k.json'}" + (f" and {report['plot']}" if cfg.plot else ""))
     return report
 
 
@@ -520,10 +800,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return run_eval(cfg, env_cfg)
 
 
-if __name__ == "__main__":
+def _cli() -> None:
+    """``python -m async_rl.eval``: setup errors (arguments, model, data) print their one-line fix, no traceback."""
+    from async_rl.data.math_data import MathDataError
+    from async_rl.models.loading import ModelPathError
+
     try:
-        _cfg, _env_cfg = parse_args(sys.argv[1:])
-    except ValueError as _exc:  # a usage error: the message says what to fix, no traceback needed
-        print(f"error: {_exc}", file=sys.stderr)
+        cfg, env_cfg = parse_args(sys.argv[1:])
+    except ValueError as exc:  # a usage error: the message says what to fix
+        print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    run_eval(_cfg, _env_cfg)
+    try:
+        run_eval(cfg, env_cfg)
+    except (EvalSetupError, MathDataError, ModelPathError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    _cli()

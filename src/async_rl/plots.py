@@ -1,16 +1,36 @@
-"""Paper-style figures from a run's ``metrics.jsonl``.
+"""Paper-style figures from a run's ``metrics.jsonl`` and an evaluation's ``pass_at_k.json``.
 
-- ``training.png`` (one per run): training accuracy (two-sided EMA, span 10) with the Li2SAO switch marked,
-  critic explained variance, mean policy lag / off-policy token ratio, and a pass@k bar chart when the run
-  directory holds ``pass_at_k.json`` (``{"k": [1, 2, 4], "pass": [0.4, 0.55, 0.7]}``, optional).
-- ``comparison.png`` (several runs, written to the first run directory): accuracy, critic explained variance,
-  response length, mean policy lag and off-policy token ratio per run (raw values faint, EMA span 10 solid),
-  each run's switch step as a dashed line in its colour, and pass@k bars for the runs that have them.
+- ``training.png`` (one per run): panels chosen by the run's algorithm (``config.json``'s
+  ``algorithm.name``, else guessed from the metric prefixes), see :data:`ALGORITHM_PANELS`:
 
-``python -m async_rl.plots outputs/<run> [outputs/<run2> ...]`` writes ``training.png`` into each run
-directory and, when several runs are given, ``comparison.png`` into the first one
-(``--x clock`` puts the simulated clock, ``async/clock_ticks``, on the comparison's x axis).
-Metric meanings: ``docs/metrics.md``.
+  ======== ==================================================================================================
+  all      training accuracy (raw + two-sided EMA, span 10), policy lag / off-policy token ratio
+  grpo     + policy loss
+  lisao,   + critic explained variance (``critic/ev_tokens`` and ``critic/ev_terminal``, else
+  ppo      ``critic/explained_var``), critic value loss, policy loss
+  li2sao   + critic explained variance, residual EV e_k (``li2sao/explained_var_residual``, its EMA, the
+           threshold η_e), rank accuracy a_k (``li2sao/rank_acc``, its EMA, η_a), the gate counter
+           (with the patience M), critic value loss
+  sapo     + V explained variance (``sapo/explained_var``), V / Q losses, policy loss
+  ======== ==================================================================================================
+
+  The Li2SAO switch (``li2sao/gate_opened``) is a dashed line on every panel with data; a panel whose
+  metrics the run did not log says so and draws nothing else. Thresholds come from the metrics
+  (``li2sao/eta_e``, ``li2sao/eta_a``) or, when absent, from the run's ``config.json``
+  (``algorithm.gate.*``, defaults 0.2 / 0.65 / 10). A pass@k bar panel is added when the run directory
+  (or its ``eval/``) holds ``pass_at_k.json``.
+- ``comparison.png`` (several runs, written to the first run directory): accuracy, value explained
+  variance (critic or SAPO's V), response length, mean policy lag and off-policy token ratio per run (raw
+  values faint, EMA span 10 solid), each run's switch step as a dashed line in its colour, and pass@k bars
+  for the runs that have them.
+- ``eval.png`` (written by ``python -m async_rl.eval``): the pass@k curve of every evaluation set (one line
+  per AIME year, the mean dashed) and, for agent envs, success per category (ALFWorld) or success and
+  score (WebShop).
+
+``python -m async_rl.plots [outputs/<run> ...]`` writes ``training.png`` into each run directory and, when
+several runs are given, ``comparison.png`` into the first one (``--x clock`` puts the simulated clock,
+``async/clock_ticks``, on the comparison's x axis). With no run it plots the last run
+(``outputs/last_run.json``) and says so. Metric meanings: ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -18,27 +38,83 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 EMA_SPAN = 10  # span of the two-sided EMA used in every figure
 
-# (metric key, panel title, smoothed?) of the single-run figure
-RUN_PANELS = [
-    ("train/success_rate", "training accuracy (EMA, span 10)", True),
-    ("critic/explained_var", "critic explained variance", False),
-    ("async/policy_lag/mean", "mean policy lag / off-policy token ratio", False),
-]
 
-# (metric key, panel title, y label) of the comparison figure; every series is drawn raw (faint) + EMA
+@dataclass(frozen=True)
+class Series:
+    """One curve: the first of ``keys`` the run logged (newer names first, older fallbacks after)."""
+
+    keys: tuple[str, ...]
+    label: str
+    smooth: bool = False  # raw values faint + the two-sided EMA
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A horizontal line: the metric ``key`` when logged, else ``config[algorithm][gate][config_key]``."""
+
+    label: str
+    key: Optional[str]
+    config_key: str
+    default: float
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    series: tuple[Series, ...]
+    ylabel: str = ""
+    thresholds: tuple[Threshold, ...] = field(default_factory=tuple)
+
+
+ACCURACY = Panel("training accuracy", (Series(("train/success_rate",), "success rate", smooth=True),),
+                 "fraction of trajectories solved")
+LAG = Panel("policy lag / off-policy tokens", (Series(("async/policy_lag/mean",), "mean lag (versions)"),
+                                               Series(("async/off_policy_token_ratio",), "off-policy token ratio")))
+POLICY_LOSS = Panel("policy loss", (Series(("actor/pg_loss",), "actor/pg_loss"),), "loss")
+CRITIC_EV = Panel("critic explained variance",
+                  (Series(("critic/ev_tokens", "critic/explained_var"), "all model tokens"),
+                   Series(("critic/ev_terminal",), "last token (terminal)")), "1 - Var(G-V)/Var(G)")
+CRITIC_LOSS = Panel("critic value loss", (Series(("critic/value_loss",), "clipped value loss"),), "loss")
+LI2SAO_EV = Panel("Li2SAO residual EV e_k",
+                  (Series(("li2sao/explained_var_residual",), "e_k"), Series(("li2sao/ema_explained_var",), "EMA")),
+                  "explained variance", (Threshold("η_e", "li2sao/eta_e", "eta_e", 0.2),))
+LI2SAO_RANK = Panel("Li2SAO rank accuracy a_k",
+                    (Series(("li2sao/rank_acc",), "a_k"), Series(("li2sao/ema_rank_acc",), "EMA")),
+                    "fraction of pairs", (Threshold("η_a", "li2sao/eta_a", "eta_a", 0.65),))
+LI2SAO_GATE = Panel("Li2SAO gate counter", (Series(("li2sao/gate_counter",), "consecutive ready steps"),), "steps",
+                    (Threshold("M (patience)", None, "patience", 10),))
+SAPO_EV = Panel("SAPO V explained variance", (Series(("sapo/explained_var",), "V vs turn targets"),),
+                "1 - Var(y-V)/Var(y)")
+SAPO_LOSSES = Panel("SAPO V / Q losses", (Series(("sapo/v_loss",), "V loss"), Series(("sapo/q_loss",), "Q loss")),
+                    "loss")
+
+#: the panels of ``training.png`` per algorithm (a pass@k panel is appended when an evaluation exists)
+ALGORITHM_PANELS: dict[str, tuple[Panel, ...]] = {
+    "grpo": (ACCURACY, POLICY_LOSS, LAG),
+    "lisao": (ACCURACY, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG),
+    "ppo": (ACCURACY, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG),
+    "li2sao": (ACCURACY, CRITIC_EV, LI2SAO_EV, LI2SAO_RANK, LI2SAO_GATE, CRITIC_LOSS, LAG),
+    "sapo": (ACCURACY, SAPO_EV, SAPO_LOSSES, POLICY_LOSS, LAG),
+}
+PASS_AT_K_TITLE = "pass@k (eval)"
+PANEL_COLUMNS = 3
+
+# (metric keys, first present wins per run; panel title; y label) of the comparison figure
 COMPARISON_PANELS = [
-    ("train/success_rate", "training accuracy", "success rate"),
-    ("critic/explained_var", "critic explained variance", "1 - Var(G-V)/Var(G)"),
-    ("train/response_length/mean", "response length", "model tokens / trajectory"),
-    ("async/policy_lag/mean", "mean policy lag", "versions"),
-    ("async/off_policy_token_ratio", "off-policy token ratio (lag > 1)", "fraction of model tokens"),
+    (("train/success_rate",), "training accuracy", "success rate"),
+    (("critic/ev_tokens", "critic/explained_var", "sapo/explained_var"), "value explained variance",
+     "1 - Var(G-V)/Var(G)"),
+    (("train/response_length/mean",), "response length", "model tokens / trajectory"),
+    (("async/policy_lag/mean",), "mean policy lag", "versions"),
+    (("async/off_policy_token_ratio",), "off-policy token ratio (lag > 1)", "fraction of model tokens"),
 ]
 
 X_KEYS = {"step": "step", "clock": "async/clock_ticks"}
@@ -52,10 +128,46 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def load_run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The run's resolved config (``config.json``, written by ``async_rl.train``); ``{}`` when absent."""
+    path = Path(run_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def infer_algorithm(rows: Sequence[Mapping], config: Optional[Mapping[str, Any]] = None) -> str:
+    """``config["algorithm"]["name"]`` when known, else from the metric prefixes the run logged."""
+    name = ((config or {}).get("algorithm") or {}).get("name") if isinstance((config or {}).get("algorithm"),
+                                                                              Mapping) else None
+    if name in ALGORITHM_PANELS:
+        return str(name)
+    keys = {key for row in rows for key in row}
+    if any(key.startswith("sapo/") for key in keys):
+        return "sapo"
+    if any(key.startswith("li2sao/") for key in keys):
+        return "li2sao"
+    if any(key.startswith("critic/") for key in keys):
+        return "lisao"
+    return "grpo"
+
+
+def _pass_at_k_file(run_dir: str | Path) -> Optional[Path]:
+    """``<run_dir>/pass_at_k.json``, else ``<run_dir>/eval/pass_at_k.json`` (where ``async_rl.eval`` writes
+    the evaluation of a run's exported model)."""
+    for path in (Path(run_dir) / "pass_at_k.json", Path(run_dir) / "eval" / "pass_at_k.json"):
+        if path.exists():
+            return path
+    return None
+
+
 def load_pass_at_k(run_dir: str | Path) -> Optional[dict[str, list[float]]]:
-    """``{"k": [...], "pass": [...]}`` from ``<run_dir>/pass_at_k.json``; None when the file is absent."""
-    path = Path(run_dir) / "pass_at_k.json"
-    if not path.exists():
+    """``{"k": [...], "pass": [...]}`` from the run's ``pass_at_k.json`` (see :func:`_pass_at_k_file`); None
+    when there is none."""
+    path = _pass_at_k_file(run_dir)
+    if path is None:
         return None
     data = json.loads(path.read_text())
     if isinstance(data, dict) and "k" not in data and isinstance(data.get("mean"), dict):
@@ -159,50 +271,213 @@ def _pass_at_k_bars(ax, data: Mapping[str, Mapping[str, list[float]]],
     ax.set_xlabel("k")
     ax.set_ylabel("pass@k")
     ax.set_ylim(0, 1.05)
-    ax.set_title("pass@k (eval)")
+    ax.set_title(PASS_AT_K_TITLE, fontsize=10)
     if colors is not None or len(data) > 1:
         ax.legend(fontsize=7)
 
 
-def plot_run(run_dir: str | Path) -> Path:
-    """Write ``<run_dir>/training.png`` (a fourth panel with pass@k when ``pass_at_k.json`` is there)."""
+def _integer_steps(ax) -> None:
+    """Steps are whole numbers: no 2.5 on the axis, however few steps the run has."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _no_data(ax, message: str) -> None:
+    """An empty panel: the message alone, centred, with no axes, ticks or lines to cross it."""
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, fontsize=8, color="gray",
+            wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+def _threshold_value(threshold: Threshold, rows: Sequence[Mapping], config: Mapping[str, Any]) -> float:
+    if threshold.key is not None:
+        for row in reversed(rows):
+            if threshold.key in row and _finite(row[threshold.key]):
+                return float(row[threshold.key])
+    gate = ((config.get("algorithm") or {}).get("gate") or {}) if isinstance(config.get("algorithm"), Mapping) else {}
+    value = gate.get(threshold.config_key) if isinstance(gate, Mapping) else None
+    return float(value) if _finite(value) else float(threshold.default)
+
+
+def _draw_panel(ax, panel: Panel, rows: Sequence[Mapping], config: Mapping[str, Any], switch: Optional[int],
+                switch_label: Optional[str], x_range: Optional[tuple[int, int]] = None) -> bool:
+    """Draw one panel; returns False (and shows only a message) when the run logged none of its metrics."""
+    drawn = False
+    for i, series in enumerate(panel.series):
+        key = next((k for k in series.keys if _series(rows, k)[0]), None)
+        if key is None:
+            continue
+        steps, values = _series(rows, key)
+        color = f"C{i}"
+        if series.smooth:
+            ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8, label=f"{series.label} (raw)")
+            ax.plot(steps, two_sided_ema(values), color=color, linewidth=1.8, label=f"EMA (span {EMA_SPAN})")
+        else:
+            ax.plot(steps, values, color=color, linewidth=1.4, marker="." if len(steps) < 30 else None,
+                    label=series.label if key == series.keys[0] else f"{series.label} ({key})")
+        drawn = True
+    ax.set_title(panel.title, fontsize=10)
+    if not drawn:
+        keys = sorted({k for series in panel.series for k in series.keys})
+        _no_data(ax, "not logged in this run:\n" + "\n".join(keys))
+        return False
+    for threshold in panel.thresholds:
+        value = _threshold_value(threshold, rows, config)
+        ax.axhline(value, color="gray", linestyle=":", linewidth=1.2, label=f"{threshold.label} = {value:g}")
+    if switch is not None:
+        ax.axvline(switch, color="k", linestyle="--", linewidth=1, label=switch_label)
+    if x_range is not None:  # every panel spans the whole run (Li2SAO's gate metrics stop at the switch)
+        lo, hi = x_range
+        ax.set_xlim(lo - 0.5, hi + 0.5) if lo == hi else ax.set_xlim(lo, hi)
+    ax.set_xlabel("step")
+    if panel.ylabel:
+        ax.set_ylabel(panel.ylabel, fontsize=8)
+    _integer_steps(ax)
+    ax.legend(fontsize=7, loc="best", framealpha=0.8)
+    return True
+
+
+def _switch_label(run_dir: Optional[Path], switch: Optional[int]) -> Optional[str]:
+    if switch is None:
+        return None
+    forced = None
+    if run_dir is not None:
+        try:
+            forced = json.loads((run_dir / "summary.json").read_text()).get("switch_forced")
+        except (OSError, ValueError, AttributeError):
+            forced = None
+    return f"switch @ {switch}" + (" (forced at T_max)" if forced else " (gate opened)" if forced is False else "")
+
+
+def build_run_figure(rows: Sequence[Mapping], algorithm: Optional[str] = None,
+                     config: Optional[Mapping[str, Any]] = None,
+                     pass_at_k: Optional[Mapping[str, list[float]]] = None, run_dir: Optional[Path] = None,
+                     title: Optional[str] = None):
+    """The ``training.png`` figure of one run (a matplotlib Figure; the caller saves and closes it).
+
+    Args:
+        rows: the run's metric rows (``metrics.jsonl`` lines or a driver's history).
+        algorithm: selects :data:`ALGORITHM_PANELS`; None = :func:`infer_algorithm`.
+        config: the run's config (thresholds fall back to ``algorithm.gate.*``); None = ``{}``.
+        pass_at_k: ``{"k", "pass"}`` of an evaluation: adds a bar panel.
+        run_dir: where ``summary.json`` says whether the switch was forced (optional).
+    """
+    config = dict(config or {})
+    algorithm = algorithm or infer_algorithm(rows, config)
+    if algorithm not in ALGORITHM_PANELS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHM_PANELS)}, got {algorithm!r}")
+    panels = ALGORITHM_PANELS[algorithm]
+    n_panels = len(panels) + (pass_at_k is not None)
+    cols = min(PANEL_COLUMNS, n_panels)
+    nrows = math.ceil(n_panels / cols)
     plt = _pyplot()
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.9 * nrows), squeeze=False, layout="constrained")
+    flat = list(axes.flat)
+    switch = switch_step(rows)
+    label = _switch_label(run_dir, switch)
+    steps = [int(x) for x in (_step_of(row) for row in rows) if x is not None]
+    x_range = (min(steps), max(steps)) if steps else None
+    for ax, panel in zip(flat, panels):
+        _draw_panel(ax, panel, rows, config, switch, label, x_range)
+    if pass_at_k is not None:
+        _pass_at_k_bars(flat[len(panels)], {"mean over sets": pass_at_k})
+    for ax in flat[n_panels:]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"{algorithm}", fontsize=11)
+    return fig
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    """Write ``<run_dir>/training.png``: the panels of the run's algorithm (:func:`build_run_figure`), plus
+    pass@k when the run directory or its ``eval/`` holds ``pass_at_k.json``."""
+    run_dir = Path(run_dir)
     rows = load_metrics(run_dir)
-    passk = load_pass_at_k(run_dir)
-    n_panels = len(RUN_PANELS) + (passk is not None)
-    fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 4))
-    sw = switch_step(rows)
-    for ax, (key, title, smooth) in zip(axes, RUN_PANELS):
-        steps, vals = _series(rows, key)
-        if steps:
-            ax.plot(steps, vals, alpha=0.35 if smooth else 1.0, label=key)
-            if smooth:
-                ax.plot(steps, two_sided_ema(vals), label=f"EMA (span {EMA_SPAN})")
-        if key == "async/policy_lag/mean":
-            s2, v2 = _series(rows, "async/off_policy_token_ratio")
-            if s2:
-                ax.plot(s2, v2, label="off-policy token ratio")
-        if key == "critic/explained_var":
-            s3, v3 = _series(rows, "critic/value_loss")
-            if s3:  # critic dynamics: value loss on its own scale
-                twin = ax.twinx()
-                twin.plot(s3, v3, color="tab:red", alpha=0.6, linewidth=1)
-                twin.set_ylabel("critic/value_loss", color="tab:red", fontsize=8)
-        if not steps:
-            ax.text(0.5, 0.5, f"no {key} in this run", ha="center", va="center", transform=ax.transAxes,
-                    fontsize=8, color="gray")
-        if sw is not None:
-            ax.axvline(sw, color="k", linestyle="--", linewidth=1, label=f"switch @ {sw}")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    if passk is not None:
-        _pass_at_k_bars(axes[-1], {Path(run_dir).name: passk})
-    fig.tight_layout()
-    out = Path(run_dir) / "training.png"
+    config = load_run_config(run_dir)
+    algorithm = infer_algorithm(rows, config)
+    env = ((config.get("env") or {}).get("name") if isinstance(config.get("env"), Mapping) else None)
+    title = f"{run_dir.name}: {algorithm}" + (f" on {env}" if env else "") + f", {len(rows)} steps"
+    fig = build_run_figure(rows, algorithm, config, load_pass_at_k(run_dir), run_dir, title=title)
+    out = run_dir / "training.png"
     fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- eval
+def build_eval_figure(report: Mapping[str, Any]):
+    """The ``eval.png`` figure of an evaluation report (``pass_at_k.json`` content): pass@k against k for
+    every set (one line per AIME year, the mean over sets dashed) and, when the sets carry them, success
+    per category (ALFWorld) or success and mean score (WebShop, agent envs without categories)."""
+    sets: Mapping[str, Mapping[str, Any]] = report.get("sets") or {}
+    if not sets:
+        raise ValueError("the eval report has no sets")
+    categories = any("success_by_category" in r for r in sets.values())
+    agent = categories or str(report.get("env")) in ("alfworld", "webshop")
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2 if agent else 1, figsize=(11 if agent else 6, 4.2), squeeze=False,
+                             layout="constrained")
+    ax = axes[0][0]
+    years = any(r.get("year") is not None for r in sets.values())
+    all_ks = sorted({int(k) for r in sets.values() for k in r.get("k", [])})
+    for i, (name, result) in enumerate(sets.items()):
+        label = name + (f" ({result['year']})" if result.get("year") is not None and str(result["year"]) not in name
+                        else "")
+        ax.plot(result["k"], result["pass"], marker="o", color=f"C{i % 10}", label=label)
+    mean = report.get("mean") or {}
+    if len(sets) > 1 and mean.get("k"):
+        ax.plot(mean["k"], mean["pass"], color="k", linestyle="--", marker="s", label="mean over sets")
+    if len(all_ks) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(all_ks, [str(k) for k in all_ks])
+    ax.set_xlabel("k (samples per problem drawn)")
+    ax.set_ylabel("pass@k")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("pass@k per AIME year" if years else "pass@k per set", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    if agent:
+        ax = axes[0][1]
+        if categories:
+            names = sorted({c for r in sets.values() for c in r.get("success_by_category", {}) if c != "All"}) + ["All"]
+            width = 0.8 / len(sets)
+            for i, (name, result) in enumerate(sets.items()):
+                values = [result.get("success_by_category", {}).get(c, float("nan")) for c in names]
+                pos = [j + (i - (len(sets) - 1) / 2) * width for j in range(len(names))]
+                bars = ax.bar(pos, values, width=width, color=f"C{i % 10}", label=name)
+                for bar, value in zip(bars, values):
+                    if _finite(value):
+                        ax.annotate(f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, value), ha="center",
+                                    va="bottom", fontsize=6)
+            ax.set_xticks(range(len(names)), names)
+            ax.set_title("success per ALFWorld category", fontsize=10)
+        else:
+            names = list(sets)
+            pos = np.arange(len(names))
+            success = [float(sets[n].get("success_rate", float("nan"))) for n in names]
+            score = [float(sets[n].get("score_mean", float("nan"))) for n in names]
+            ax.bar(pos - 0.2, success, width=0.4, label="success rate")
+            ax.bar(pos + 0.2, score, width=0.4, label="mean score")
+            ax.set_xticks(pos, names)
+            ax.set_title("success and score", fontsize=10)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("fraction")
+        ax.legend(fontsize=7, loc="upper right")
+    model = report.get("model_dir")
+    fig.suptitle(f"{report.get('env', '')}: n = {report.get('n_samples', '?')} samples per problem"
+                 + (f" ({Path(str(model)).parent.name or model})" if model else ""), fontsize=10)
+    return fig
+
+
+def plot_eval(report: Mapping[str, Any], out_path: str | Path) -> Path:
+    """Write :func:`build_eval_figure` of ``report`` to ``out_path`` (``async_rl.eval`` writes eval.png)."""
+    fig = build_eval_figure(report)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    _pyplot().close(fig)
     return out
 
 
@@ -229,12 +504,13 @@ def plot_comparison(
         raise ValueError("plot_comparison needs at least one run")
     x_key = X_KEYS[x]
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), layout="constrained")
     flat = list(axes.flat)
-    for ax, (key, panel_title, ylabel) in zip(flat, COMPARISON_PANELS):
+    for ax, (keys, panel_title, ylabel) in zip(flat, COMPARISON_PANELS):
         drawn = False
         for i, (label, rows) in enumerate(runs.items()):
             color = f"C{i % 10}"
+            key = next((k for k in keys if _series(rows, k, x_key)[0]), keys[0])
             xs, vals = _series(rows, key, x_key)
             if xs:
                 ax.plot(xs, vals, color=color, alpha=0.25, linewidth=0.8)
@@ -244,25 +520,26 @@ def plot_comparison(
             if sw is not None:
                 ax.axvline(sw, color=color, linestyle="--", linewidth=1,
                            label=f"{label}: switch @ {switch_step(rows)}")
+        ax.set_title(f"{panel_title} (EMA span {EMA_SPAN})", fontsize=10)
         if not drawn:
-            ax.text(0.5, 0.5, f"no {key} in these runs", ha="center", va="center", transform=ax.transAxes,
-                    fontsize=8, color="gray")
-        ax.set_title(f"{panel_title} (EMA span {EMA_SPAN})")
+            for line in list(ax.lines):  # a switch line alone would cross the message
+                line.remove()
+            _no_data(ax, "not logged in these runs:\n" + "\n".join(keys))
+            continue
         ax.set_xlabel("step" if x == "step" else "simulated clock ticks")
-        ax.set_ylabel(ylabel)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        ax.set_ylabel(ylabel, fontsize=8)
+        if x == "step":
+            _integer_steps(ax)
+        ax.legend(fontsize=7, loc="best", framealpha=0.8)
     last = flat[len(COMPARISON_PANELS)]
     passk = {k: v for k, v in (pass_at_k or {}).items() if v is not None}
     if passk:
         _pass_at_k_bars(last, passk, colors={label: f"C{i % 10}" for i, label in enumerate(runs)})
     else:
-        last.text(0.5, 0.5, "pass@k: no pass_at_k.json in these runs", ha="center", va="center",
-                  transform=last.transAxes, fontsize=8, color="gray")
-        last.set_axis_off()
+        last.set_title(PASS_AT_K_TITLE, fontsize=10)
+        _no_data(last, "no pass_at_k.json in these runs")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -293,16 +570,39 @@ def compare_runs(run_dirs: Sequence[str | Path], out_path: Optional[str | Path] 
     return plot_comparison(runs, out_path or dirs[0] / "comparison.png", pass_at_k=passk, x=x)
 
 
+def last_run_dir(output_root: str | Path = "outputs") -> Path:
+    """The run directory ``<output_root>/last_run.json`` names (written at the end of every training run)."""
+    from async_rl.models.export import read_last_run
+
+    record = read_last_run(output_root)
+    if record is None:
+        raise FileNotFoundError(f"no run given and {Path(output_root) / 'last_run.json'} does not exist: pass a run "
+                                "directory (make plots RUN=outputs/<run>) or train one first")
+    run_dir = Path(record["run_dir"])
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{Path(output_root) / 'last_run.json'} names {run_dir}, which has no metrics.jsonl "
+                                "any more: pass a run directory (make plots RUN=outputs/<run>)")
+    return run_dir
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run directories (outputs/<run_name>)")
+    parser.add_argument("runs", nargs="*", help="run directories (outputs/<run_name>); none = the last run")
     parser.add_argument("--x", choices=sorted(X_KEYS), default="step",
                         help="x axis of the comparison figure: trainer steps or simulated clock ticks")
+    parser.add_argument("--outputs", default="outputs", help="training output root holding last_run.json")
     args = parser.parse_args(argv)
-    for run in args.runs:
+    runs = list(args.runs)
+    if not runs:
+        try:
+            runs = [str(last_run_dir(args.outputs))]
+        except (FileNotFoundError, ValueError) as exc:
+            parser.exit(2, f"error: {exc}\n")
+        print(f"no run given: plotting the last run, {runs[0]} (from {Path(args.outputs) / 'last_run.json'})")
+    for run in runs:
         print(plot_run(run))
-    if len(args.runs) > 1:
-        print(compare_runs(args.runs, x=args.x))
+    if len(runs) > 1:
+        print(compare_runs(runs, x=args.x))
 
 
 if __name__ == "__main__":

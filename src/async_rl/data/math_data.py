@@ -239,7 +239,7 @@ def _load_dataset(source: str, split: str | None, allow_hub: bool, cache_dir: st
         raise MathDataError(f"cannot read math data from {source!r}: {type(exc).__name__}: {exc}") from exc
     raise MathDataError(
         f"math data {source!r} not found: no such file or directory (relative to {Path.cwd()}). Put the file "
-        "there (see docs/evaluation.md for where and in which layout), or set allow_hub=true to load "
+        "there (see docs/evaluation.md for where and in which layout), or set env.allow_hub=true to load "
         f"{source!r} from the Hugging Face Hub."
     )
 

@@ -142,6 +142,10 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path("~/.cache/alfworld").expanduser()
 
 
+_DATA_HINT = ("Run `alfworld-download` (it fills $ALFWORLD_DATA, default ~/.cache/alfworld), or set env.data_dir "
+              "(or ALFWORLD_DATA) to the folder holding json_2.1.1/.")
+
+
 def _split_dir(root: Path, split: str) -> Path:
     if split not in ALFWORLD_SPLITS:
         raise ValueError(f"unknown ALFWorld split {split!r}; valid: {', '.join(ALFWORLD_SPLITS)}")
@@ -155,8 +159,10 @@ def _split_dir(root: Path, split: str) -> Path:
             "default ~/.cache/alfworld) or point data_dir / ALFWORLD_DATA at the folder holding json_2.1.1/."
         )
     found = sorted(p.name for p in (root / _JSON_DIR if (root / _JSON_DIR).is_dir() else root).iterdir())
+    # importing alfworld creates an empty ~/.cache/alfworld: an existing folder is no sign of data
     raise FileNotFoundError(
-        f"no split folder {folder!r} under {root} (looked for {root / _JSON_DIR / folder}); found: {found}"
+        f"no split folder {folder!r} under {root} (looked for {root / _JSON_DIR / folder}); found: {found}. "
+        f"{_DATA_HINT}"
     )
 
 
@@ -274,7 +280,7 @@ def make_alfworld_tasks_from_config(env_cfg: Any, seed: int = 0) -> list[dict[st
     if not tasks:
         raise ValueError(
             f"no playable ALFWorld games in split {_cfg_get(env_cfg, 'split', 'train')!r} under "
-            f"{resolve_data_dir(_cfg_get(env_cfg, 'data_dir'))} (categories: {categories})"
+            f"{resolve_data_dir(_cfg_get(env_cfg, 'data_dir'))} (categories: {categories}). {_DATA_HINT}"
         )
     return tasks
 
@@ -427,12 +433,15 @@ class AlfWorldEnv(Env):
         max_turns: steps per episode (ALFWorld's usual budget is 50).
         history_length: earlier (observation, action) pairs repeated in each prompt (verl-agent uses 2).
         data_dir: ALFWorld data root used to resolve a relative ``game_file`` (default ``$ALFWORLD_DATA``).
+        expert: also ask the PDDL planner for the rest of a winning plan after every reset and step
+            (:attr:`expert_plan`), e.g. to script demonstrations; off in training (planning costs time).
     """
 
     max_turns = 50
 
     def __init__(
-        self, max_turns: int = 50, history_length: int = 2, data_dir: str | os.PathLike[str] | None = None
+        self, max_turns: int = 50, history_length: int = 2, data_dir: str | os.PathLike[str] | None = None,
+        expert: bool = False,
     ) -> None:
         if int(max_turns) < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -454,6 +463,8 @@ class AlfWorldEnv(Env):
         self._admissible: list[str] = []
         self._history: list[tuple[str, str]] = []
         self._turn = 0
+        self.expert = bool(expert)
+        self._expert_plan: list[str] = []
 
     # -- properties for drivers, tests and debugging -------------------------------------------------
 
@@ -461,6 +472,13 @@ class AlfWorldEnv(Env):
     def admissible_actions(self) -> list[str]:
         """The actions the current prompt lists (the game's admissible commands without ``help``)."""
         return list(self._admissible)
+
+    @property
+    def expert_plan(self) -> list[str]:
+        """The planner's remaining winning commands from the current state (needs ``expert=True``)."""
+        if not self.expert:
+            raise RuntimeError("AlfWorldEnv.expert_plan needs AlfWorldEnv(expert=True)")
+        return list(self._expert_plan)
 
     @property
     def task_description(self) -> str:
@@ -505,7 +523,8 @@ class AlfWorldEnv(Env):
 
     def _new_game(self) -> Any:
         mods = self._mods
-        infos = mods["textworld"].EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+        infos = mods["textworld"].EnvInfos(won=True, admissible_commands=True, extras=["gamefile"],
+                                           policy_commands=self.expert)
         game = mods["PddlEnv"](infos)
         game = mods["AlfredDemangler"](shuffle=False)(game)
         return mods["AlfredInfos"](game)
@@ -552,6 +571,7 @@ class AlfWorldEnv(Env):
         self._task_type = task_type
         self._observation, self._task_description = _split_intro(state.feedback)
         self._admissible = self._visible(state)
+        self._expert_plan = list(state.get("policy_commands") or []) if self.expert else []
         self._history = []
         self._turn = 0
         self._done = False
@@ -579,6 +599,8 @@ class AlfWorldEnv(Env):
             feedback = state.feedback.strip()
             won = bool(state["won"])
             next_admissible = self._visible(state)
+            if self.expert:
+                self._expert_plan = list(state.get("policy_commands") or [])
         else:
             feedback = INVALID_ACTION_FEEDBACK
             next_admissible = self._admissible

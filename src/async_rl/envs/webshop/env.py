@@ -307,7 +307,10 @@ class WebShopEnv(Env):
         """WebShop's ``{"has_search_bar", "clickables"}`` of the current page."""
         return dict(self._available)
 
+    @property
     def admissible_actions(self) -> list[str]:
+        """The current page's actions as verl-agent lists them (``search[<your query>]``, ``click[...]``);
+        a property returning a list of strings, as in every env (ALFWorld's ``AlfWorldEnv.admissible_actions``)."""
         return admissible_actions(self._available)
 
     def _is_admissible(self, action: str) -> bool:

@@ -1,0 +1,106 @@
+"""Run hygiene: one output folder per run (no Hydra date folders, whatever config is the primary one),
+progress lines in logs, and one shape for ``admissible_actions`` across the agent envs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import async_rl.train as train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _launch(monkeypatch, tmp_path, argv):
+    """``python -m async_rl.train ARGV`` in ``tmp_path``, with ``run`` replaced by a recorder (no training)."""
+    seen = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["async_rl.train"])
+    monkeypatch.setattr(train, "run", lambda cfg, checked=None: seen.append(cfg))
+    train.main(argv)
+    assert len(seen) == 1
+    return seen[0]
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("argv, run_name", [
+    (["--config-dir", str(REPO / "recipes"), "--config-name", "aime_tiny"], "aime-tiny-li2sao"),
+    (["--config-dir", str(REPO / "recipes"), "--config-name", "alfworld_tiny", "algorithm=sapo"], "alfworld-tiny-sapo"),
+    (["--config-name", "demo"], "demo-li2sao-toy_keys"),
+    (["algorithm=grpo", "env=toy_echo"], "grpo-toy_echo"),
+])
+def test_one_output_folder_per_run_and_no_hydra_date_folders(monkeypatch, tmp_path, argv, run_name):
+    cfg = _launch(monkeypatch, tmp_path, argv)
+    assert cfg.trainer.run_name == run_name
+    # Hydra's own files (train.log) land in the run directory; nothing else appears: no outputs/<date>/<time>/
+    # and no .hydra/ folder
+    assert _tree(tmp_path) <= {"outputs", f"outputs/{run_name}", f"outputs/{run_name}/train.log"}
+    assert (tmp_path / "outputs" / run_name).is_dir()
+
+
+def test_the_users_own_hydra_run_dir_wins(monkeypatch, tmp_path):
+    _launch(monkeypatch, tmp_path, ["algorithm=grpo", "hydra.run.dir=elsewhere"])
+    assert (tmp_path / "elsewhere").is_dir() and not (tmp_path / "outputs").exists()
+    assert train.with_run_dir_overrides(["hydra.run.dir=x", "seed=1"]) == [
+        "hydra.run.dir=x", "seed=1", "hydra.sweep.dir=${trainer.output_dir}", "hydra.sweep.subdir=${trainer.run_name}",
+        "hydra.output_subdir=null"]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _printed_steps(seconds_per_step: float, total: int, first_step: int = 1) -> list[int]:
+    clock = FakeClock()
+    progress = train.ProgressLines(total, clock=clock)
+    printed = []
+    for step in range(first_step, total + 1):
+        clock.now += seconds_per_step
+        if progress.due(step):
+            printed.append(step)
+    return printed
+
+
+def test_progress_lines_every_10_steps_or_10_seconds():
+    # fast steps (0.1 s): the first step, every 10th, the last
+    assert _printed_steps(0.1, 25) == [1, 10, 20, 25]
+    # slow steps (ALFWorld, ~15 s each): every step
+    assert _printed_steps(15.0, 5) == [1, 2, 3, 4, 5]
+    # 4 s a step: a line once 10 s have passed since the previous one (steps 1, 4 at 16 s, 7 at 28 s, ...)
+    assert _printed_steps(4.0, 12) == [1, 4, 7, 10, 12]
+    # a resumed run starts at its checkpoint's step
+    assert _printed_steps(0.1, 25, first_step=13) == [13, 20, 25]
+
+
+def test_progress_line_reads_well():
+    clock = FakeClock()
+    progress = train.ProgressLines(40, clock=clock)
+    clock.now = 30.0
+    line = progress.line(3, {"train/success_rate": 0.25, "train/reward_mean": 0.5, "async/policy_lag/mean": 1.5})
+    # 3 steps in 30 s: 10 s a step, 37 steps left
+    assert line == "step 3/40 acc 0.25 reward 0.50 lag 1.50 | 10.0 s/step, elapsed 30 s, eta 370 s"
+
+
+def test_admissible_actions_is_a_list_property_in_every_agent_env():
+    from async_rl.envs.alfworld_env import AlfWorldEnv
+    from async_rl.envs.webshop.env import WebShopEnv
+
+    for env_class in (AlfWorldEnv, WebShopEnv):
+        assert isinstance(env_class.__dict__["admissible_actions"], property), env_class.__name__
+    from async_rl.envs.webshop import make_webshop_tasks
+
+    env = WebShopEnv(num_products=20, num_goals=10, num_test_goals=2)
+    task = make_webshop_tasks(1, seed=0, num_products=20, num_goals=10, num_test_goals=2)[0]
+    env.reset(task)
+    actions = env.admissible_actions
+    assert isinstance(actions, list) and actions == ["search[<your query>]"]
+    env.close()
