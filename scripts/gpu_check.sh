@@ -1,20 +1,62 @@
 #!/usr/bin/env bash
-# One prepared check of the CUDA path, for a session that is lent a GPU machine (device tool):
-#   run: bash scripts/gpu_check.sh   (writes $OUT/gpu_check.log when OUT is set)
-# It installs the project with the machine's CUDA torch, then runs the CUDA-relevant pieces on the GPU:
-# engine (NCCL backend picked from the device), rollout engine on cuda, and a short training run.
+# One unattended check of the GPU rollout path (issue 10, item 7), for a 1-GPU machine, <= 10 minutes:
+#   bash scripts/gpu_check.sh            (log: $OUT/gpu_check.log, results: $OUT/gpu_check_vllm.json)
+#   WHEELHOUSE=/path/to/wheels bash scripts/gpu_check.sh   (offline machine: install from a local wheel directory)
+# 1. installs the `vllm` profile (verl[vllm]==0.9.1: torch 2.11.0, vllm 0.24.0, transformers 5.9.0) in .venv-gpu;
+# 2. builds a tiny Qwen2 locally (head dim 64, which every vLLM attention backend supports);
+# 3. one vLLM replica (verl's vLLMReplica) behind our ReplicaPool: tokens/s, in-flight update latency through
+#    the object-store checkpoint engine, and vLLM-vs-trainer log-prob agreement per token (mean / max abs
+#    difference, fraction outside the DIS interval) -- scripts/gpu_check_vllm.py;
+# 4. a short asynchronous Li2SAO run with rollout.engine=vllm rollout.replicas=1 (actor and critic on CPU
+#    worker groups, the replica on the GPU), then prints its tokens/s and update latency from metrics.jsonl.
+# Every step has its own timeout; the script goes on after a failed step and exits non-zero at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOG="${OUT:-/tmp}/gpu_check.log"
-exec > >(tee "$LOG") 2>&1
-python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
-pip install -q "torch==2.13.0" && pip install -q -e ".[test]"
-python - <<'PY'
-import torch
-print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-from async_rl.engine.dist import pick_device, pick_backend
-print("device", pick_device(), "backend", pick_backend(pick_device()))
+OUT_DIR="${OUT:-/tmp}"
+mkdir -p "$OUT_DIR"
+exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
+START=$(date +%s)
+FAILED=0
+step() { echo; echo "== [$(( $(date +%s) - START )) s] $*"; }
+fail() { echo "FAILED: $*"; FAILED=1; }
+
+step "install the vllm profile into .venv-gpu"
+PIP_ARGS=()
+if [ -n "${WHEELHOUSE:-}" ]; then PIP_ARGS=(--no-index --find-links "$WHEELHOUSE"); fi
+python3.11 -m venv .venv-gpu || { echo "FAILED: python3.11 -m venv"; exit 1; }
+. .venv-gpu/bin/activate
+timeout 270 pip install -q "${PIP_ARGS[@]}" -e ".[vllm,test]" || { echo "FAILED: pip install .[vllm]"; exit 1; }
+python - <<'PY' || { echo "FAILED: no CUDA GPU visible"; exit 1; }
+import torch, transformers, vllm, verl
+print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "verl", verl.__version__)
+assert torch.cuda.is_available(), "no CUDA GPU"
+print("gpu", torch.cuda.get_device_name(0))
 PY
-PYTHONUNBUFFERED=1 timeout 300 python -m async_rl.train --config-name demo trainer.device=cuda \
-  trainer.driver.total_steps=20 trainer.wandb=false trainer.run_name=gpu-check
-PYTHONUNBUFFERED=1 timeout 200 pytest -q tests/test_rollout_engine.py tests/test_engine_dp.py tests/test_learning.py -x
+
+MODEL=outputs/gpu_check/tiny-h256
+step "build the tiny model ($MODEL)"
+timeout 60 python -m async_rl.models.tiny --out "$MODEL" --hidden-size 256 --num-heads 4 --num-kv-heads 2 \
+  --intermediate-size 512 || fail "tiny model"
+
+step "vLLM replica: tokens/s, in-flight update latency, log-prob agreement"
+PYTHONUNBUFFERED=1 timeout 150 python scripts/gpu_check_vllm.py --model "$MODEL" --out "$OUT_DIR/gpu_check_vllm.json" \
+  || fail "vLLM replica check"
+
+RUN=gpu-check-li2sao-vllm
+step "short async Li2SAO run: rollout.engine=vllm rollout.replicas=1"
+PYTHONUNBUFFERED=1 timeout 120 python -m async_rl.train --config-name demo trainer.workers=ray \
+  trainer.scheduler=concurrent trainer.device=cpu rollout.engine=vllm rollout.replicas=1 \
+  model.dir=outputs/gpu_check/tiny-demo-h256 model.hidden_size=256 algorithm.train_batch_trajectories=16 \
+  trainer.driver.total_steps=8 trainer.wandb=false trainer.run_name=$RUN trainer.output_dir=outputs/gpu_check \
+  || fail "async Li2SAO run on vLLM"
+python - "outputs/gpu_check/$RUN/metrics.jsonl" <<'PY' || fail "no metrics from the run"
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+lat = [r["rollout/update_latency_s"] for r in rows if r.get("rollout/update_latency_s")]
+print(f"steps {len(rows)}, tokens/s {rows[-1]['perf/tokens_per_s']:.1f}, "
+      f"in-flight update latency median {statistics.median(lat) if lat else float('nan'):.3f} s, "
+      f"replica aborted requests {rows[-1].get('async/replica_aborted', 0):.0f}")
+PY
+
+step "done (exit status $FAILED)"
+exit $FAILED

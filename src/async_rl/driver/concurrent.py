@@ -6,6 +6,21 @@ soon as one is ready, trains, and publishes the new weights to the engine *in fl
 them at the next token boundary; running sequences keep their prefix). Torch releases the GIL in its
 kernels, so generation and training overlap on a multi-core CPU or a GPU.
 
+Staleness-aware admission (spec §1 cap k, in the spirit of AReaL's ``max_head_offpolicyness`` and verl's
+``staleness_threshold``): a prompt group is launched only while the trajectories not yet trained -- live, in the
+buffer, and the batch the trainer is training -- plus the new group fit in ``(k + 1) * B``. A trajectory launched
+under version ``v`` then has at most ``k`` batches ahead of it, so its tokens are trained with lag <= k instead
+of being generated and then dropped. When the untrained trajectories cannot fill one batch (aborted members
+leave groups short), launching is always allowed, so the rule never stalls the run. After each publication,
+live episodes whose oldest recorded token already lags by more than ``k`` are aborted with their whole group
+(the buffer would drop the group anyway):
+``async/aborted_stale`` counts them, ``async/wasted_tokens`` counts the model tokens thrown away by stale aborts
+(plus, with replicas, those lost to aborts and replica failures).
+
+The engine is the in-driver ``HFRolloutEngine`` (``trainer.workers=local``) or the rollout replicas
+(``trainer.workers=ray``: :class:`async_rl.rollout.client.ReplicaPool`, the same interface); nothing below
+depends on which.
+
 Failure handling: an exception in the rollout thread is re-raised in the trainer with its traceback; the
 trainer never waits without a timeout, so a dead rollout cannot deadlock the driver.
 """
@@ -30,7 +45,8 @@ class RolloutThreadError(RuntimeError):
 
 class ConcurrentDriver:
     def __init__(self, cfg: DriverConfig, learner: Learner, rollout: RolloutManager, *,
-                 on_step: Optional[Callable[[dict], None]] = None, wait_timeout_s: float = 600.0):
+                 on_step: Optional[Callable[[dict], None]] = None, wait_timeout_s: float = 600.0,
+                 staleness_aware: bool = True):
         self.cfg = cfg
         self.learner = learner
         self.rollout = rollout
@@ -41,6 +57,7 @@ class ConcurrentDriver:
         self.buffer = TrajectoryBuffer(cfg.buffer_capacity or 4 * self.batch_size)
         self.max_inflight = cfg.max_inflight_trajectories or 2 * self.batch_size
         self.rollout.group_size = learner.cfg.group_size
+        self.rollout.wait_for_env = False  # real time: env calls are collected as they finish, none waited out
         self.on_step = on_step
         self.wait_timeout_s = wait_timeout_s
         self.history: list[dict] = []
@@ -54,6 +71,10 @@ class ConcurrentDriver:
         self._error: Optional[str] = None
         self._rollout_busy_s = 0.0
         self._trainer_wait_s = 0.0
+        self.staleness_aware = staleness_aware  # admission + stale aborts (False: the loop without them)
+        self._training_batch = 0  # trajectories taken by the trainer and not yet published
+        self.aborted_stale = 0  # live episodes aborted because their oldest token already exceeded the cap
+        self.stale_wasted_tokens = 0
 
     # ------------------------------------------------------------------ rollout thread
     def _rollout_loop(self) -> None:
@@ -66,7 +87,8 @@ class ConcurrentDriver:
                         with self._ready:
                             while (self.rollout.inflight_trajectories + self.rollout.group_size <= self.max_inflight
                                    and self.buffer.has_room(self.rollout.inflight_trajectories
-                                                            + self.rollout.group_size)):
+                                                            + self.rollout.group_size)
+                                   and self._admits(self.rollout.group_size)):
                                 finished += self.rollout.launch_prompt()
                     busy = self.rollout.busy
                     if busy:
@@ -91,6 +113,41 @@ class ConcurrentDriver:
             with self._ready:
                 self._ready.notify_all()
 
+    def _admits(self, new_trajectories: int) -> bool:
+        """Staleness-aware admission (module docstring): untrained trajectories stay within (k + 1) batches."""
+        if not self.staleness_aware:
+            return True
+        untrained = len(self.buffer) + self.rollout.inflight_trajectories + self._training_batch
+        if untrained < self.batch_size:
+            # what is underway cannot fill the next batch (e.g. aborted members left a group short): launch, or
+            # the run would wait for ever
+            return True
+        return untrained + new_trajectories <= (self.cfg.staleness_cap + 1) * self.batch_size
+
+    def _abort_stale_live(self) -> None:
+        """Abort live groups holding a token whose lag already exceeds the cap (they can never be trained)."""
+        if not self.staleness_aware:
+            return
+        version, cap = self.learner.policy_version, self.cfg.staleness_cap
+        with self._lock:
+            if self.switch_state == "draining":
+                return  # the Li2SAO switch decides about every live group itself
+            stale = set()
+            for episode in self.rollout.episodes.values():
+                versions = [v for seg in episode.trajectory.segments if seg.kind == "model" for v in seg.versions]
+                if versions and version - min(versions) > cap:
+                    stale.add(episode.trajectory.group_id)
+            if not stale:
+                return
+            wasted = sum(len(seg.token_ids) for ep in self.rollout.episodes.values()
+                         if ep.trajectory.group_id in stale for seg in ep.trajectory.segments if seg.kind == "model")
+            keep = set(self.rollout.live_group_ids()) - stale
+            with self._ready:
+                self.aborted_stale += self.rollout.discard_except(keep)
+                self.stale_wasted_tokens += wasted
+                # members of those groups already buffered would wait for ever for the aborted ones: drop them
+                self.buffer.discard_except(set(self.buffer.group_ids_oldest_first()) - stale)
+
     # ------------------------------------------------------------------ trainer (calling thread)
     def _wait_for_batch(self) -> list[Trajectory]:
         deadline = time.monotonic() + self.wait_timeout_s
@@ -105,6 +162,7 @@ class ConcurrentDriver:
                     kept = take_last_bootstrap_batch(self.buffer, self.learner, self.batch_size,
                                                      self.cfg.staleness_cap)
                     if kept:
+                        self._training_batch = len(kept)
                         self._last_bootstrap = True  # trained with the bootstrap estimator, then switch
                         self._trainer_wait_s += time.perf_counter() - started
                         return kept
@@ -112,6 +170,7 @@ class ConcurrentDriver:
                     continue
                 batch = self.buffer.take_batch(self.batch_size, version, self.cfg.staleness_cap)
                 if batch is not None:
+                    self._training_batch = len(batch)  # still untrained for the admission rule until published
                     self._trainer_wait_s += time.perf_counter() - started
                     return batch
                 if time.monotonic() > deadline:
@@ -120,9 +179,19 @@ class ConcurrentDriver:
                         f"(ready {self.buffer.num_ready}, in flight {self.rollout.inflight_trajectories})")
                 self._ready.wait(timeout=0.5)
 
+    def _weights_for_publication(self) -> dict:
+        """The new weights as the engine takes them: rollout replicas (``ReplicaPool``) take the handle of actor
+        rank 0's ``ray.put`` (the weights go from the object store to each replica, never through the driver);
+        the in-driver engine takes the state dict."""
+        actor = self.learner.actor
+        if getattr(self.rollout.engine, "accepts_published_weights", False) and hasattr(actor, "publish_weights"):
+            return actor.publish_weights(self.learner.policy_version)
+        return actor.export_weights()
+
     def _publish(self, weights: Optional[dict]) -> None:
         if weights is not None:
-            # applied by the rollout thread at its next token boundary (or at once between chunks)
+            # in-driver engine: applied by the rollout thread at its next token boundary (or at once between
+            # chunks); replicas: every replica pauses at a token boundary, loads, resumes (ReplicaPool.update_weights)
             self.rollout.engine.update_weights(weights, self.learner.policy_version)
 
     def _begin_switch(self) -> None:
@@ -161,16 +230,20 @@ class ConcurrentDriver:
                 if self._last_bootstrap:
                     self.learner.switch_to_single_rollout()
                     self._last_bootstrap = False
-                weights = self.learner.actor.export_weights() if metrics["actor/updated"] > 0 else None
+                weights = self._weights_for_publication() if metrics["actor/updated"] > 0 else None
                 if metrics.get("li2sao/gate_opened"):
                     self._begin_switch()
                     self._finish_switch()  # publication waits for the outstanding job (spec §4)
                 self._publish(weights)
+                self._training_batch = 0
+                self._abort_stale_live()
                 elapsed = time.perf_counter() - wall_start
                 metrics.update({
                     "async/dropped_stale": float(self.buffer.counters.dropped_stale),
                     "async/aborted": float(self.buffer.counters.aborted),
                     "async/discarded": float(self.buffer.counters.discarded),
+                    "async/aborted_stale": float(self.aborted_stale),
+                    "async/wasted_tokens": float(self.stale_wasted_tokens),
                     "async/group_size": float(self.rollout.group_size),
                     "perf/trainer_idle_frac": self._trainer_wait_s / max(elapsed, 1e-9),
                     "perf/rollout_idle_frac": 1.0 - self._rollout_busy_s / max(elapsed, 1e-9),
@@ -178,10 +251,19 @@ class ConcurrentDriver:
                     "perf/tokens_per_s": self.rollout.generated_tokens / max(elapsed, 1e-9),
                     "perf/wall_s": elapsed,
                 })
+                metrics.update(self.rollout.env_metrics())
+                engine_metrics = getattr(self.rollout.engine, "metrics", None)
+                if callable(engine_metrics):  # rollout replicas: liveness, aborted by failures, update latency
+                    replica_metrics = engine_metrics()
+                    # tokens lost on the replicas (aborts, failures) add to the stale aborts' tokens
+                    replica_metrics["async/wasted_tokens"] += self.stale_wasted_tokens
+                    metrics.update(replica_metrics)
                 self.history.append(metrics)
                 if self.on_step is not None:
                     self.on_step(metrics)
         finally:
             self._stop.set()
             thread.join(timeout=60)
+            if not thread.is_alive():  # abort what is still live, close its envs, stop the env workers
+                self.rollout.close()
         return self.history

@@ -1,0 +1,595 @@
+"""The driver's side of the rollout replicas: :class:`ReplicaPool`, shaped like an in-process engine.
+
+``RolloutManager`` (env stepping, episodes, prompt groups) drives an engine through ``add_requests``,
+``step``, ``abort``, ``update_weights``, ``has_unfinished`` and ``policy_version``. :class:`ReplicaPool`
+implements exactly those over ``N`` verl rollout replicas (``async_rl.rollout.replica``), so the
+concurrent scheduler, the episode logic and the algorithms are the same code for the in-driver engine and
+for replicas, and the same for the ``hf``, ``vllm`` and ``sglang`` engines.
+
+* **Streaming.** ``add_requests`` submits every request at once as a Ray call ``server.generate(...)``;
+  ``step`` returns the requests that finished since the last call (waiting at most ``poll_s`` for the
+  first one), so a finished turn reaches its episode as soon as it is done and the episode's next turn
+  is submitted on the next ``advance``. ``step``'s ``max_tokens`` is ignored: replicas decode on their own.
+* **Load balancing** (as verl's ``GlobalRequestLoadBalancer``): a new episode goes to the live replica
+  with the fewest outstanding requests; later turns of the same episode (request ids
+  ``<episode>/turn<k>``) stay on that replica while it lives, so its prefix stays warm.
+* **In-flight weight updates** (:meth:`update_weights`): pause every replica at a token boundary
+  (``abort_all_requests``), load the published weights on every replica, resume every replica. The hf
+  server keeps each request's tokens while paused; a server that really aborts (vLLM, SGLang) returns
+  the partial output and the pool resubmits ``prompt + tokens so far`` with the remaining budget, so in
+  both cases no token is regenerated and every token keeps the version and log-prob that sampled it.
+* **Faults.** A replica whose calls raise ``RayActorError`` (died), whose decode loop failed, or that does not
+  answer a ping, a pause or a resume within ``health_timeout_s``, or whose ping reports a decode loop stalled
+  that long (hung) is marked dead: its live requests end
+  "aborted" (their episodes are aborted and counted by the buffer), ``async/replica_aborted`` counts them,
+  ``async/wasted_tokens`` their tokens. With ``on_replica_failure="continue"`` the run goes on with the other
+  replicas; with ``"stop"`` (or when none is left) :class:`ReplicaFailure` names the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
+from async_rl.rollout.checkpoint_engine import check_published_handle, published_handle
+from async_rl.rollout.replica import ReplicaBrokenError, sampling_to_server_dict, token_output_to_generation
+
+logger = logging.getLogger(__name__)
+
+FAILURE_POLICIES = ("continue", "stop")
+_TURN_SUFFIX = re.compile(r"/turn\d+$")
+_AFFINITY_CAPACITY = 100_000  # remembered episodes; the oldest are forgotten first
+
+
+class ReplicaFailure(RuntimeError):
+    """A rollout replica died or hung and the run cannot (or must not) go on without it."""
+
+
+def first_line(error: BaseException) -> str:
+    """One line for an error message: a remote error's last line (the exception itself, after Ray's traceback),
+    else the first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if len(lines) > 1 and isinstance(error, RayTaskError) else (lines[0] if lines else repr(error))
+
+
+def episode_key(request_id: Hashable) -> Hashable:
+    """``"p3/r1/turn2"`` -> ``"p3/r1"``: all turns of one episode share a replica."""
+    return _TURN_SUFFIX.sub("", request_id) if isinstance(request_id, str) else request_id
+
+
+@dataclass
+class _Live:
+    """One driver request while it is on a replica (across any number of pause/abort-resubmit rounds)."""
+
+    request: GenerationRequest
+    replica: int
+    ref: Optional[ray.ObjectRef] = None
+    server_request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    submissions: int = 0
+
+
+class ReplicaPool:
+    """``N`` rollout replicas behind the in-process engine interface (see the module docstring).
+
+    Args:
+        replicas: launched verl ``RolloutReplica`` s (``init_standalone`` done).
+        engine: "hf" | "vllm" | "sglang" (decides the sampling dict and how weights are loaded).
+        initial_version: policy version of the weights the replicas start with.
+        poll_s: longest wait of one :meth:`step` for the first finished request.
+        health_check_s: how often each replica is pinged.
+        health_timeout_s: a replica that leaves a ping, a pause or a resume unanswered this long is hung.
+        call_timeout_s: deadline of loading one weight version on every replica.
+        on_replica_failure: "continue" (go on with the others) | "stop" (raise :class:`ReplicaFailure`).
+        vocab_size: needed only to turn banned ids into vLLM/SGLang allow-lists.
+    """
+
+    accepts_published_weights = True  # the concurrent driver may hand over ActorWorker.publish_weights handles
+
+    def __init__(self, replicas: Sequence[Any], engine: str = "hf", *, initial_version: int = 0,
+                 poll_s: float = 0.02, health_check_s: float = 2.0, health_timeout_s: float = 30.0,
+                 call_timeout_s: float = 600.0, on_replica_failure: str = "continue",
+                 vocab_size: Optional[int] = None) -> None:
+        if not replicas:
+            raise ValueError("ReplicaPool needs at least one launched replica (rollout.replicas >= 1)")
+        if on_replica_failure not in FAILURE_POLICIES:
+            raise ValueError(f"rollout.on_replica_failure={on_replica_failure!r}; valid choices: "
+                             f"{', '.join(FAILURE_POLICIES)}")
+        if min(poll_s, health_check_s, health_timeout_s, call_timeout_s) <= 0:
+            raise ValueError("poll_s, health_check_s, health_timeout_s and call_timeout_s must be > 0")
+        self.replicas = list(replicas)
+        self.engine_name = engine
+        self.poll_s = poll_s
+        self.health_check_s = health_check_s
+        self.health_timeout_s = health_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.on_replica_failure = on_replica_failure
+        self.vocab_size = vocab_size
+        self._version = int(initial_version)
+        self._lock = threading.RLock()
+        self._live: dict[Hashable, _Live] = {}
+        self._by_ref: dict[ray.ObjectRef, _Live] = {}
+        self._outstanding = [0] * len(self.replicas)
+        self._affinity: OrderedDict[Hashable, int] = OrderedDict()
+        self.alive = [True] * len(self.replicas)
+        self.failures: list[dict[str, Any]] = []
+        self._failed_outputs: list[GenerationOutput] = []  # aborted by a failure, returned by the next step()
+        self._pings: dict[int, tuple[ray.ObjectRef, float]] = {}
+        self._last_ping = [time.monotonic()] * len(self.replicas)
+        self.counters = {"submitted": 0, "resubmitted": 0, "finished": 0, "replica_aborted": 0,
+                         "driver_aborted": 0, "wasted_tokens": 0, "weight_updates": 0}
+        self.update_latencies_s: list[float] = []
+        self.max_positions: Optional[int] = None  # the model's context, read by the builder (Episode limits)
+        self.pids = self._ask_pids()
+
+    # ------------------------------------------------------------------ the engine interface
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live) or bool(self._failed_outputs)
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def add_requests(self, requests: Iterable[GenerationRequest]) -> None:
+        """Submit every request now (each to its episode's replica, or the least loaded live one)."""
+        with self._lock:
+            for request in requests:
+                if request.request_id in self._live:
+                    raise ValueError(f"duplicate request_id {request.request_id!r}: it is still running")
+                live = _Live(request=request, replica=self._choose_replica(request.request_id))
+                self._live[request.request_id] = live
+                self._outstanding[live.replica] += 1
+                self._submit(live)
+                self.counters["submitted"] += 1
+
+    def start(self, requests: Iterable[GenerationRequest]) -> None:
+        self.add_requests(requests)
+
+    def step(self, max_tokens: Optional[int] = None) -> list[GenerationOutput]:
+        """Requests that finished since the last call (waits at most ``poll_s`` for the first)."""
+        with self._lock:
+            outputs, self._failed_outputs = self._failed_outputs, []
+            refs = list(self._by_ref)
+        if refs and not outputs:
+            ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll_s)
+            if ready:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        elif refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        else:
+            ready = []
+        for ref in ready:
+            outputs += self._collect(ref)
+        outputs += self._check_health()
+        return outputs
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Run ``requests`` to completion; outputs in request order (for evaluation and tests)."""
+        requests = list(requests)
+        self.add_requests(requests)
+        wanted = {r.request_id for r in requests}
+        done: dict[Hashable, GenerationOutput] = {}
+        while len(done) < len(wanted):
+            for output in self.step():
+                if output.request_id in wanted:
+                    done[output.request_id] = output
+        return [done[r.request_id] for r in requests]
+
+    def abort(self, request_ids: Optional[Iterable[Hashable]] = None) -> list[GenerationOutput]:
+        """End these requests (all if None) as "aborted" now; their replicas stop computing them.
+
+        Returns their outputs with the tokens known so far; they are never returned by :meth:`step`.
+        """
+        with self._lock:
+            ids = list(self._live) if request_ids is None else [r for r in request_ids if r in self._live]
+            per_replica: dict[int, list[str]] = {}
+            outputs = []
+            for rid in ids:
+                live = self._drop(rid)
+                per_replica.setdefault(live.replica, []).append(live.server_request_id)
+                self.counters["driver_aborted"] += 1
+                self.counters["wasted_tokens"] += len(live.token_ids)
+                outputs.append(self._output(live, "aborted"))
+        for index, server_ids in per_replica.items():
+            if self.alive[index]:
+                self._server(index).abort_requests.remote(server_ids)  # fire and forget: the reply is ignored
+        return outputs
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | dict[str, Any], version: int) -> None:
+        """Pause every replica, load ``weights`` (a state dict or a published handle) as ``version``, resume.
+
+        Requests keep their tokens; tokens sampled from now on carry ``version``.
+        """
+        if isinstance(weights, Mapping) and "ref" in weights and "version" in weights:
+            published = dict(weights)
+        else:
+            items = weights.items() if isinstance(weights, Mapping) else weights
+            published = published_handle(version, ray.put({k: v.detach().cpu().contiguous() for k, v in items}))
+        check_published_handle(published, version)
+        started = time.perf_counter()
+        if self.engine_name == "hf":
+            # a pause or a resume takes at most one decode chunk: a replica slower than a ping is hung
+            paused = self._on_every_replica("abort_all_requests", (), "pause", timeout_s=self.health_timeout_s)
+            try:
+                self._on_every_replica("update_weights", (published, int(version)), "weight update", only=paused,
+                                       timeout_s=self.call_timeout_s)
+                self._version = int(version)
+            finally:
+                self._on_every_replica("resume_generation", (), "resume", only=paused,
+                                       timeout_s=self.health_timeout_s)
+        else:
+            self._update_verl_replicas(published, int(version))
+        self.counters["weight_updates"] += 1
+        self.update_latencies_s.append(time.perf_counter() - started)
+
+    def export_inflight(self) -> list[dict]:
+        """Live requests for a checkpoint, each with its **kept prefix**: the tokens (log-probs, versions)
+        the driver already holds. Replay rule on resume (:meth:`import_inflight`): every request is
+        resubmitted as ``prompt + kept prefix`` with the remaining budget. Tokens a replica sampled but has
+        not returned yet live in another process and are not saved; they are sampled again after the
+        resume (the hf server returns a turn only when it is done, so its kept prefix is usually empty;
+        a vLLM/SGLang request resubmitted after a weight update keeps what it had). Nothing trained is lost:
+        no token reaches the trainer before its request finishes. Read-only: the running requests go on."""
+        with self._lock:
+            return [{"request_id": live.request.request_id, "prompt_ids": list(live.request.prompt_ids),
+                     "sampling": dict(vars(live.request.sampling)), "token_ids": list(live.token_ids),
+                     "logprobs": list(live.logprobs), "versions": list(live.versions)}
+                    for live in self._live.values()]
+
+    def import_inflight(self, states: list[dict]) -> None:
+        """Resubmit the requests of :meth:`export_inflight` (or of the in-driver engine's checkpoint: its
+        random-stream keys are not used) with their kept prefixes; the pool must have none running."""
+        with self._lock:
+            if self._live:
+                raise RuntimeError(f"import_inflight() needs an idle pool; {len(self._live)} request(s) are live")
+            for state in states:
+                request = GenerationRequest(state["request_id"], list(state["prompt_ids"]),
+                                            SamplingParams(**state["sampling"]))
+                live = _Live(request=request, replica=self._choose_replica(request.request_id),
+                             token_ids=list(state["token_ids"]), logprobs=list(state["logprobs"]),
+                             versions=list(state["versions"]))
+                self._live[request.request_id] = live
+                self._outstanding[live.replica] += 1
+                self._submit(live)
+                self.counters["resubmitted"] += 1
+
+    def metrics(self) -> dict[str, float]:
+        latencies = self.update_latencies_s
+        return {
+            "rollout/replicas_alive": float(sum(self.alive)),
+            "rollout/resubmitted": float(self.counters["resubmitted"]),
+            "rollout/update_latency_s": latencies[-1] if latencies else 0.0,
+            "rollout/outstanding": float(sum(self._outstanding)),
+            "async/replica_aborted": float(self.counters["replica_aborted"]),
+            "async/wasted_tokens": float(self.counters["wasted_tokens"]),
+        }
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            for server in getattr(replica, "servers", []):
+                try:
+                    ray.kill(server, no_restart=True)
+                except Exception:  # already gone
+                    pass
+
+    # ------------------------------------------------------------------ internals
+    def _server(self, index: int):
+        return self.replicas[index].servers[0]
+
+    def _ask_pids(self) -> list[Optional[int]]:
+        pids: list[Optional[int]] = []
+        for index in range(len(self.replicas)):
+            server = self._server(index)
+            try:
+                pids.append(int(ray.get(server.__ray_call__.remote(lambda actor: __import__("os").getpid()),
+                                        timeout=self.health_timeout_s)))
+            except Exception:  # a replica that does not answer is caught by the health check
+                pids.append(None)
+        return pids
+
+    def _choose_replica(self, request_id: Hashable) -> int:
+        key = episode_key(request_id)
+        index = self._affinity.get(key)
+        if index is not None and self.alive[index]:
+            self._affinity.move_to_end(key)
+            return index
+        candidates = [i for i, ok in enumerate(self.alive) if ok]
+        if not candidates:
+            raise ReplicaFailure(self._failure_message("no rollout replica is alive"))
+        index = min(candidates, key=lambda i: (self._outstanding[i], i))
+        self._affinity[key] = index
+        if len(self._affinity) > _AFFINITY_CAPACITY:
+            self._affinity.popitem(last=False)
+        return index
+
+    def _submit(self, live: _Live) -> None:
+        request = live.request
+        remaining = request.sampling.max_new_tokens - len(live.token_ids)
+        sampling = SamplingParams(**{**vars(request.sampling), "max_new_tokens": max(1, remaining)})
+        live.submissions += 1
+        live.server_request_id = f"{request.request_id}" if live.submissions == 1 else \
+            f"{request.request_id}#{live.submissions}"
+        live.ref = self._server(live.replica).generate.remote(
+            prompt_ids=list(request.prompt_ids) + live.token_ids,
+            sampling_params=sampling_to_server_dict(sampling, self.engine_name, self.vocab_size),
+            request_id=live.server_request_id)
+        self._by_ref[live.ref] = live
+
+    def _drop(self, request_id: Hashable) -> _Live:
+        live = self._live.pop(request_id)
+        self._by_ref.pop(live.ref, None)
+        self._outstanding[live.replica] -= 1
+        return live
+
+    def _output(self, live: _Live, finish_reason: str, text: str = "", stop_reason=None) -> GenerationOutput:
+        return GenerationOutput(request_id=live.request.request_id, prompt_ids=list(live.request.prompt_ids),
+                                token_ids=list(live.token_ids), logprobs=list(live.logprobs),
+                                versions=list(live.versions), finish_reason=finish_reason, text=text,
+                                stop_reason=stop_reason)
+
+    def _collect(self, ref: ray.ObjectRef) -> list[GenerationOutput]:
+        with self._lock:
+            live = self._by_ref.get(ref)
+        if live is None:
+            return []  # aborted by the driver meanwhile
+        try:
+            reply = ray.get(ref)
+        except (RayActorError, ReplicaBrokenError) as error:  # died, or its decode loop failed
+            return self._replica_failed(live.replica, f"{type(error).__name__}: {first_line(error)}")
+        except RayTaskError as error:
+            raise RuntimeError(f"rollout replica {live.replica} (pid {self.pids[live.replica]}) failed request "
+                               f"{live.request.request_id!r}: {error}") from error
+        with self._lock:
+            if self._by_ref.get(ref) is not live:
+                return []  # aborted or failed while we were reading
+            piece = token_output_to_generation(live.request, reply, self._version)
+            live.token_ids += piece.token_ids
+            live.logprobs += piece.logprobs
+            live.versions += piece.versions
+            self._by_ref.pop(ref, None)
+            budget_left = live.request.sampling.max_new_tokens - len(live.token_ids)
+            if piece.finish_reason == "aborted" and self.alive[live.replica] and budget_left > 0:
+                # the server dropped it for a weight update (vLLM/SGLang): continue from the prefix
+                self.counters["resubmitted"] += 1
+                self._submit(live)
+                return []
+            finish = "length" if piece.finish_reason == "aborted" and budget_left <= 0 else piece.finish_reason
+            self._drop(live.request.request_id)
+            self.counters["finished"] += 1
+            return [self._output(live, finish, piece.text, piece.stop_reason)]
+
+    def _on_every_replica(self, method: str, args: tuple, what: str, only: Optional[list[int]] = None,
+                          timeout_s: Optional[float] = None) -> list[int]:
+        """Call ``method`` on every live replica (or ``only``) and wait; a replica that raises ``RayActorError``
+        or misses ``timeout_s`` (default ``call_timeout_s``) is failed. Returns the replicas that answered."""
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        indices = [i for i in (range(len(self.replicas)) if only is None else only) if self.alive[i]]
+        refs = {getattr(self._server(i), method).remote(*args): i for i in indices}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        answered = []
+        for ref in pending:
+            self._queue_failure(refs[ref], f"no answer to the {what} within {timeout_s:g} s (hung)")
+        for ref in ready:
+            index = refs[ref]
+            try:
+                ray.get(ref)
+                answered.append(index)
+            except RayActorError as error:
+                self._queue_failure(index, f"{type(error).__name__} during {what}: {error}")
+            except RayTaskError as error:
+                raise RuntimeError(f"rollout replica {index} (pid {self.pids[index]}) failed the {what}: "
+                                   f"{error}") from error
+        return sorted(answered)
+
+    def _update_verl_replicas(self, published: dict[str, Any], version: int) -> None:
+        """vLLM / SGLang replicas, through verl's own pieces: ``RolloutReplica.abort_all_requests`` (their
+        servers return partial outputs, which :meth:`_collect` resubmits with the prefix), then each replica's
+        ``CheckpointEngineWorker`` receives the weights from our object-store checkpoint engine
+        (``rollout.checkpoint_engine.backend=ray_object_store``) and pushes them into the inference engine
+        through verl's server adapter (CUDA IPC / shared memory; it also clears the prefix cache and sets
+        ``global_steps``), then ``RolloutReplica.resume_generation``. On GPU only: not run on this machine."""
+        alive = [i for i, ok in enumerate(self.alive) if ok]
+
+        async def phase(coroutines) -> None:
+            await asyncio.wait_for(asyncio.gather(*coroutines), timeout=self.call_timeout_s)
+
+        asyncio.run(phase([self.replicas[i].abort_all_requests() for i in alive]))
+        try:
+            workers = [w for i in alive for w in self.replicas[i].workers]
+            ray.get([w.execute_checkpoint_engine.remote("set_source", published) for w in workers],
+                    timeout=self.call_timeout_s)
+            ray.get([w.update_weights.remote(global_steps=version) for w in workers], timeout=self.call_timeout_s)
+            self._version = version
+        finally:
+            asyncio.run(phase([self.replicas[i].resume_generation() for i in alive]))
+
+    def _check_health(self) -> list[GenerationOutput]:
+        now = time.monotonic()
+        outputs: list[GenerationOutput] = []
+        for index in range(len(self.replicas)):
+            if not self.alive[index]:
+                continue
+            if index in self._pings:
+                ref, sent = self._pings[index]
+                done, _ = ray.wait([ref], timeout=0)
+                if done:
+                    del self._pings[index]
+                    try:
+                        health = ray.get(ref)
+                    except (RayActorError, RayTaskError) as error:
+                        outputs += self._replica_failed(index, f"{type(error).__name__}: {first_line(error)}")
+                        continue
+                    stalled = float(health.get("stalled_s", 0.0)) if isinstance(health, Mapping) else 0.0
+                    if stalled > self.health_timeout_s:  # the process answers, its engine does not move
+                        outputs += self._replica_failed(index, f"its decode loop made no progress for {stalled:.0f} s "
+                                                               f"(hung)")
+                elif now - sent > self.health_timeout_s:
+                    del self._pings[index]
+                    outputs += self._replica_failed(index, f"no answer to a ping within {self.health_timeout_s:g} s "
+                                                           f"(hung)")
+            elif now - self._last_ping[index] >= self.health_check_s:
+                self._pings[index] = (self._server(index).ping.remote(), now)
+                self._last_ping[index] = now
+        return outputs
+
+    def _queue_failure(self, index: int, reason: str) -> None:
+        outputs = self._replica_failed(index, reason)
+        with self._lock:
+            self._failed_outputs += outputs
+
+    def _replica_failed(self, index: int, reason: str) -> list[GenerationOutput]:
+        """Mark replica ``index`` dead, end its live requests as aborted; raise if the run cannot go on."""
+        with self._lock:
+            if not self.alive[index]:
+                return []
+            self.alive[index] = False
+            lost = [rid for rid, live in self._live.items() if live.replica == index]
+            outputs = []
+            for rid in lost:
+                live = self._drop(rid)
+                self.counters["replica_aborted"] += 1
+                self.counters["wasted_tokens"] += len(live.token_ids)
+                outputs.append(self._output(live, "aborted"))
+            self.failures.append({"replica": index, "pid": self.pids[index], "reason": reason,
+                                  "aborted_requests": len(lost)})
+            for key in [k for k, i in self._affinity.items() if i == index]:
+                del self._affinity[key]
+        logger.warning("rollout replica %d (pid %s) failed: %s; %d live requests aborted", index,
+                       self.pids[index], reason, len(lost))
+        try:
+            ray.kill(self._server(index), no_restart=True)  # a hung replica must not come back half-way
+        except Exception:
+            pass
+        if self.on_replica_failure == "stop" or not any(self.alive):
+            raise ReplicaFailure(self._failure_message(f"rollout replica {index} (pid {self.pids[index]}) failed: "
+                                                       f"{reason}"))
+        return outputs
+
+    def _failure_message(self, head: str) -> str:
+        alive = [i for i, ok in enumerate(self.alive) if ok]
+        return (f"{head}; {len(self.failures)} replica failure(s), live replicas: {alive or 'none'}, requests "
+                f"aborted by failures: {self.counters['replica_aborted']}. Set rollout.on_replica_failure=continue "
+                f"to go on with the remaining replicas, or restart the run.")
+
+
+ROLLOUT_MODES = ("standalone", "hybrid")
+
+
+@dataclass
+class ReplicaSettings:
+    """``rollout.*`` of the config (conf/rollout/default.yaml): the replicas used when ``trainer.workers=ray``."""
+
+    engine: str = "hf"  # hf (transformers, CPU/CUDA) | vllm | sglang (verl's replicas, GPU)
+    replicas: int = 1  # rollout replicas, one process each
+    mode: str = "standalone"  # standalone: own resources (disaggregated) | hybrid: not implemented yet
+    chunk_tokens: int = 4  # hf: tokens per decode chunk (a weight update or new request waits at most one chunk)
+    cpus_per_replica: float = 1.0  # logical Ray CPUs each replica reserves
+    on_replica_failure: str = "continue"  # continue with the other replicas | stop with an error
+    health_timeout_s: float = 30.0  # a replica that leaves a ping unanswered this long is declared hung
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any) -> "ReplicaSettings":
+        """From the config's ``rollout`` group (a DictConfig or dict; None = the defaults), validated;
+        an unknown key fails with the valid names."""
+        if rollout_cfg is None:
+            return cls()
+        if not isinstance(rollout_cfg, Mapping):
+            from omegaconf import OmegaConf
+
+            rollout_cfg = OmegaConf.to_container(rollout_cfg, resolve=True)
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(rollout_cfg) - set(valid))
+        if unknown:
+            raise ValueError(f"rollout.{unknown[0]} is not a rollout setting; valid keys: {', '.join(valid)}")
+        settings = cls(**rollout_cfg)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        from async_rl.rollout.replica import ENGINE_NAMES
+
+        if self.engine not in ENGINE_NAMES:
+            raise ValueError(f"rollout.engine={self.engine!r}; valid choices: {', '.join(ENGINE_NAMES)}")
+        if int(self.replicas) < 1:
+            raise ValueError(f"rollout.replicas must be >= 1, got {self.replicas}")
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(f"rollout.mode={self.mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
+        if self.mode == "hybrid":
+            raise ValueError("rollout.mode=hybrid (rollout sharing the training processes) is not implemented yet; "
+                             "use rollout.mode=standalone")
+        if int(self.chunk_tokens) < 1:
+            raise ValueError(f"rollout.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if float(self.cpus_per_replica) < 0:
+            raise ValueError(f"rollout.cpus_per_replica must be >= 0, got {self.cpus_per_replica}")
+        if self.on_replica_failure not in FAILURE_POLICIES:
+            raise ValueError(f"rollout.on_replica_failure={self.on_replica_failure!r}; valid choices: "
+                             f"{', '.join(FAILURE_POLICIES)}")
+        if float(self.health_timeout_s) <= 0:
+            raise ValueError(f"rollout.health_timeout_s must be > 0, got {self.health_timeout_s}")
+
+
+def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: str = "cpu",
+                    dtype: Optional[str] = None, torch_threads: Optional[int] = 1, chunk_tokens: int = 4,
+                    num_cpus: float = 1.0, max_model_len: Optional[int] = None,
+                    name_prefix: str = "async_rl") -> list[Any]:
+    """Build ``num_replicas`` replicas of ``engine`` through verl's registry and start them (standalone)."""
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from async_rl.rollout.replica import HFReplica, replica_class
+
+    if num_replicas < 1:
+        raise ValueError(f"rollout.replicas must be >= 1, got {num_replicas}")
+    cls = replica_class(engine)
+    from verl.workers.config import CheckpointEngineConfig
+
+    from async_rl.rollout.checkpoint_engine import BACKEND_NAME
+
+    # vLLM/SGLang replicas receive weights in their CheckpointEngineWorker through our object-store engine;
+    # custom_backend_module makes verl import (and so register) it inside those workers
+    checkpoint = CheckpointEngineConfig(backend=BACKEND_NAME,
+                                        custom_backend_module="async_rl.rollout.checkpoint_engine")
+    config = RolloutConfig(name=engine, mode="async", tensor_model_parallel_size=1, data_parallel_size=1,
+                           pipeline_model_parallel_size=1, max_model_len=max_model_len, checkpoint_engine=checkpoint)
+    model_config = HFModelConfig(path=str(model_path))
+    if cls is HFReplica or issubclass(cls, HFReplica):
+        free = ray.available_resources().get("CPU", 0.0)
+        if free + 1e-9 < num_replicas * num_cpus:
+            raise RuntimeError(f"{num_replicas} hf replicas need {num_replicas * num_cpus:g} logical Ray CPUs "
+                               f"(rollout.cpus_per_replica={num_cpus:g}) but Ray has {free:g} free; start Ray with "
+                               f"more (ray.init(num_cpus=...)) or lower rollout.cpus_per_replica")
+        replicas = [cls(rank, config, model_config, device=device, dtype=dtype, torch_threads=torch_threads,
+                        chunk_tokens=chunk_tokens, num_cpus=num_cpus, name_prefix=name_prefix)
+                    for rank in range(num_replicas)]
+    else:  # verl's own vLLMReplica / SGLangReplica, unchanged
+        replicas = [cls(rank, config, model_config, gpus_per_node=1) for rank in range(num_replicas)]
+
+    async def start_all() -> None:
+        await asyncio.gather(*[replica.init_standalone() for replica in replicas])
+    asyncio.run(start_all())
+    return replicas
+
+
+__all__ = ["FAILURE_POLICIES", "ROLLOUT_MODES", "ReplicaFailure", "ReplicaPool", "ReplicaSettings", "episode_key",
+           "launch_replicas"]

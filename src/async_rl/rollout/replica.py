@@ -1,0 +1,489 @@
+"""The transformers rollout engine as a verl rollout replica: ``RolloutReplicaRegistry.get("hf")``.
+
+verl 0.9.1's asynchronous trainers talk to rollout *replicas* (``verl.workers.rollout.replica.RolloutReplica``):
+each replica owns one or more server actors with a token-in/token-out ``generate(prompt_ids,
+sampling_params, request_id) -> TokenOutput`` plus control calls (``abort_all_requests``,
+``resume_generation``, weight updates through a checkpoint engine). vLLM and SGLang are registered there
+as ``"vllm"`` / ``"sglang"``. This module registers our :class:`~async_rl.rollout.hf_engine.HFRolloutEngine`
+as ``"hf"``, so one driver (``async_rl.rollout.client.ReplicaPool``) serves all three engines.
+
+What we subclass and why (verl's classes are used as they are wherever they fit):
+
+* :class:`VersionedTokenOutput` (a ``TokenOutput``): verl records the weight version of a response only as
+  ``extra_fields["global_steps"]`` (one number per call). Our per-token off-policy correction (spec §1)
+  needs the version of *every* token, and the engine's own finish reason (stop / length / aborted).
+* :class:`HFReplica` (a ``RolloutReplica``): verl's ``init_standalone`` builds a GPU resource pool and a
+  ``CheckpointEngineWorker`` process that forwards weights to the inference engine over CUDA IPC. The
+  transformers engine loads weights in its own process, on CPU or CUDA, so the replica launches one
+  :class:`HFRolloutServer` actor with the CPUs/GPU it needs and nothing else.
+* :class:`HFRolloutServer` keeps verl's server method names. ``abort_all_requests`` *pauses* instead of
+  dropping requests: the engine parks at a token boundary with every request's tokens, and after the
+  weight update it re-prefills ``prompt + tokens so far`` under the new weights and continues. That is
+  verl's "partial rollout" (abort, then resume with the prefix) done inside the server, so no token is
+  ever regenerated and each keeps the log-prob and version that sampled it.
+
+The server runs in its own Ray actor process (never in the driver). A decode thread owns the engine:
+between two chunks of ``chunk_tokens`` tokens it admits new requests (continuous batching), runs control
+commands (pause, weights, abort) and hands every finished request back to its awaiting ``generate`` call,
+so a turn returns as soon as it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import ray
+import torch
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
+from async_rl.rollout.checkpoint_engine import BACKEND_NAME, ObjectStoreCheckpointEngine
+
+ENGINE_NAMES = ("hf", "vllm", "sglang")
+
+# Sampling keys a server accepts (vLLM names where they exist) and what they become in SamplingParams.
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_tokens": "max_new_tokens",
+    "max_new_tokens": "max_new_tokens",
+    "stop": "stop_strings",
+    "stop_token_ids": "stop_token_ids",
+    "banned_token_ids": "banned_token_ids",
+    "seed": "seed",
+    "ignore_eos": "ignore_eos",
+}
+# accepted and ignored: the engine always records the sampled token's log-prob and keeps a matched stop string
+_IGNORED_SAMPLING_KEYS = ("logprobs", "include_stop_str_in_output", "detokenize")
+
+
+class ReplicaBrokenError(RuntimeError):
+    """The replica's decode loop failed; every call to it fails with this (the driver treats it as a dead replica)."""
+
+
+class VersionedTokenOutput(TokenOutput):
+    """verl's ``TokenOutput`` plus what per-token off-policy training needs.
+
+    ``log_probs[i]`` is the behaviour log-prob of ``token_ids[i]`` (see ``async_rl.rollout.base``) and
+    ``versions[i]`` the policy version whose weights sampled it. ``stop_reason`` keeps verl's meaning
+    ("completed" | "aborted"); ``finish_reason`` is the engine's ("stop" | "length" | "aborted") and
+    ``stop_detail`` the matched stop string or token id.
+    """
+
+    versions: list[int] = []
+    finish_reason: str = "stop"
+    stop_detail: Optional[str | int] = None
+    text: str = ""
+
+
+def sampling_from_server_dict(params: Mapping[str, Any]) -> SamplingParams:
+    """verl/vLLM-style sampling dict -> :class:`SamplingParams`; unknown keys fail with the valid names."""
+    kwargs: dict[str, Any] = {}
+    for key, value in params.items():
+        if key in _IGNORED_SAMPLING_KEYS:
+            continue
+        if key == "top_k" and value in (-1, 0, None):
+            continue
+        if key == "repetition_penalty" and value in (1, 1.0, None):
+            continue
+        if key not in _SAMPLING_KEYS:
+            raise ValueError(f"sampling_params[{key!r}] is not supported by the hf engine; valid keys: "
+                             f"{sorted(_SAMPLING_KEYS) + ['top_k=-1', 'repetition_penalty=1.0']}")
+        name = _SAMPLING_KEYS[key]
+        kwargs[name] = tuple(value) if name in ("stop_strings", "stop_token_ids", "banned_token_ids") else value
+    return SamplingParams(**kwargs)
+
+
+def sampling_to_server_dict(sampling: SamplingParams, engine: str, vocab_size: Optional[int] = None) -> dict:
+    """:class:`SamplingParams` -> the dict a replica server of ``engine`` takes (vLLM names)."""
+    params: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                              "max_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos,
+                              "logprobs": True}
+    if sampling.seed is not None:
+        params["seed"] = int(sampling.seed)
+    if sampling.stop_strings:
+        params["stop"] = list(sampling.stop_strings)
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if engine == "hf":
+        if sampling.banned_token_ids:
+            params["banned_token_ids"] = list(sampling.banned_token_ids)
+        return params
+    # vLLM / SGLang: keep the stop string in the text as our engine does; bans become an allow-list
+    params["include_stop_str_in_output"] = True
+    if sampling.banned_token_ids:
+        if vocab_size is None:
+            raise ValueError("banned_token_ids on a vllm/sglang replica need the vocabulary size")
+        banned = set(sampling.banned_token_ids)
+        params["allowed_token_ids"] = [t for t in range(vocab_size) if t not in banned]
+    return params
+
+
+def token_output_to_generation(request: GenerationRequest, out: TokenOutput, version_fallback: int) -> GenerationOutput:
+    """A server's reply -> :class:`GenerationOutput` (per-token versions from a VersionedTokenOutput, else
+    the call's ``global_steps`` for every token: vLLM/SGLang switch weights only between calls)."""
+    tokens = list(out.token_ids)
+    versions = list(getattr(out, "versions", []) or [])
+    if len(versions) != len(tokens):
+        version = out.extra_fields.get("global_steps", version_fallback)
+        versions = [int(version_fallback if version is None else version)] * len(tokens)
+    logprobs = list(out.log_probs or [])
+    if len(logprobs) != len(tokens):
+        raise ValueError(f"request {request.request_id!r}: the server returned {len(tokens)} tokens but "
+                         f"{len(logprobs)} log-probs; ask for them with sampling_params['logprobs']=True")
+    finish = getattr(out, "finish_reason", None)
+    if finish not in ("stop", "length", "aborted"):
+        finish = "aborted" if out.stop_reason in ("aborted", "abort") else "stop"
+    return GenerationOutput(request_id=request.request_id, prompt_ids=list(request.prompt_ids), token_ids=tokens,
+                            logprobs=logprobs, versions=versions, finish_reason=finish,
+                            text=getattr(out, "text", ""), stop_reason=getattr(out, "stop_detail", None))
+
+
+class HFRolloutServer:
+    """One :class:`HFRolloutEngine` behind verl's rollout-server methods (run as a Ray async actor).
+
+    Args:
+        model_path: local HF checkpoint directory.
+        replica_rank: this replica's index (shown in errors and metrics).
+        device: "cpu" or "cuda" (Ray sets CUDA_VISIBLE_DEVICES, so "cuda" is this actor's GPU).
+        dtype: model dtype when loading (None = checkpoint dtype).
+        torch_threads: intra-op threads of this process on CPU (None = torch default).
+        chunk_tokens: tokens per decode chunk; control commands and new requests wait at most one chunk.
+        initial_version: policy version of the weights in ``model_path``.
+    """
+
+    def __init__(self, model_path: str, replica_rank: int = 0, device: str = "cpu", dtype: Optional[str] = None,
+                 torch_threads: Optional[int] = 1, chunk_tokens: int = 4, initial_version: int = 0) -> None:
+        from async_rl.rollout.hf_engine import HFRolloutEngine
+
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if torch_threads:
+            torch.set_num_threads(int(torch_threads))
+        self.replica_rank = int(replica_rank)
+        self.chunk_tokens = int(chunk_tokens)
+        self.engine = HFRolloutEngine(str(model_path), device=device, dtype=dtype, initial_version=initial_version)
+        self.checkpoint_engine = ObjectStoreCheckpointEngine()
+        self._cond = threading.Condition()
+        self._incoming: list[tuple[GenerationRequest, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._waiting: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._commands: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._paused = False
+        self._rejecting = False
+        self._stopped = False
+        self._loop_error: Optional[str] = None
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "tokens": 0, "weight_updates": 0,
+                         "paused_requests": 0}
+        self.last_update_s = 0.0
+        self._last_iteration = time.monotonic()
+        self._thread = threading.Thread(target=self._decode_loop, name=f"hf-replica-{replica_rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ verl server interface
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       **unsupported: Any) -> VersionedTokenOutput:
+        """Token-in/token-out generation of one request; returns when it finishes (or is aborted)."""
+        if any(value is not None for value in unsupported.values()):
+            raise ValueError(f"the hf replica has no multimodal/priority inputs; got {sorted(unsupported)}")
+        request = GenerationRequest(request_id, [int(t) for t in prompt_ids],
+                                    sampling_from_server_dict(sampling_params))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            self._raise_if_broken()
+            if self._rejecting:
+                return self._aborted_reply(request)
+            if request_id in self._waiting or any(r.request_id == request_id for r, _, _ in self._incoming):
+                raise ValueError(f"request_id {request_id!r} is already running on replica {self.replica_rank}")
+            if not self._incoming and not self._waiting and not self._commands:
+                self._last_iteration = time.monotonic()  # the loop was idle: its stall clock starts now
+            self._incoming.append((request, loop, future))
+            self.counters["requests"] += 1
+            self._cond.notify_all()
+        output: GenerationOutput = await future
+        return self._reply(output)
+
+    async def abort_all_requests(self, reject_request: bool = False, reset_prefix_cache: bool = True) -> dict:
+        """Pause at the next token boundary, keeping every live request and its tokens (verl's partial
+        rollout inside the server; see the module docstring). ``reject_request``: requests arriving while
+        paused are answered "aborted" at once instead of waiting for :meth:`resume_generation`."""
+        def pause() -> dict:
+            self._paused, self._rejecting = True, bool(reject_request)
+            live = self.engine.num_unfinished
+            self.counters["paused_requests"] += live
+            return {"aborted_count": 0, "paused_count": live, "request_ids": []}
+        return await self._run_in_decode_thread(pause)
+
+    async def resume_generation(self) -> None:
+        with self._cond:
+            self._paused = self._rejecting = False
+            self._cond.notify_all()
+
+    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
+        """Load a published state dict (``{"version", "ref": [ObjectRef]}``) through the object-store
+        checkpoint engine and tag later tokens with ``version``. Applied at a token boundary; unfinished
+        requests keep their tokens and are re-prefilled under the new weights."""
+        started = time.perf_counter()
+        self.checkpoint_engine.set_source(published)
+        weights = await asyncio.to_thread(lambda: list(self.checkpoint_engine.receive_weights(global_steps=version)))
+        fetched = time.perf_counter()
+
+        def load() -> None:
+            self.engine.update_weights(weights, int(version))
+        await self._run_in_decode_thread(load)
+        self.checkpoint_engine.finalize()
+        self.counters["weight_updates"] += 1
+        self.last_update_s = time.perf_counter() - started
+        return {"fetch_s": fetched - started, "load_s": time.perf_counter() - fetched, "version": int(version)}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        return await self.abort_requests([request_id])
+
+    async def abort_requests(self, request_ids: list[Any]) -> dict[str, Any]:
+        """Finish these requests as "aborted" (their ``generate`` calls return what they have)."""
+        wanted = set(request_ids)
+
+        def abort() -> dict[str, Any]:
+            with self._cond:  # generate() appends to _incoming from the event loop thread
+                queued = [entry for entry in self._incoming if entry[0].request_id in wanted]
+                self._incoming = [entry for entry in self._incoming if entry[0].request_id not in wanted]
+            for request, loop, future in queued:  # not admitted yet: aborted before its first token
+                self.counters["aborted"] += 1
+                self._resolve(loop, future, self._empty_output(request))
+            outputs = self.engine.abort([rid for rid in wanted if rid in self._waiting]) \
+                if self.engine.has_unfinished else []
+            for output in outputs:
+                self._deliver(output)
+            return {"aborted_count": len(queued) + len(outputs),
+                    "request_ids": [r.request_id for r, _, _ in queued] + [o.request_id for o in outputs]}
+        return await self._run_in_decode_thread(abort)
+
+    async def progress(self) -> dict[Any, dict[str, list]]:
+        """Tokens, log-probs and versions generated so far by every unfinished request, read at a token
+        boundary (for monitoring, benchmarks and tests: while paused it is exactly the prefix that resumes)."""
+        def read() -> dict[Any, dict[str, list]]:
+            return {state["request_id"]: {"token_ids": state["token_ids"], "logprobs": state["logprobs"],
+                                          "versions": state["versions"]}
+                    for state in self.engine.export_inflight()}
+        return await self._run_in_decode_thread(read)
+
+    async def ping(self) -> dict[str, Any]:
+        """Health and progress. ``stalled_s``: how long the decode loop has gone without finishing an iteration
+        while it had work (0 when idle or paused) -- the event loop answers pings even when the decode thread
+        is stuck, so this is what tells a hung engine from a busy one."""
+        with self._cond:
+            self._raise_if_broken()
+            busy = bool(self._commands) or (not self._paused and (bool(self._incoming) or bool(self._waiting)))
+            return {"pid": os.getpid(), "replica_rank": self.replica_rank, "version": self.engine.policy_version,
+                    "num_unfinished": len(self._waiting) + len(self._incoming), "paused": self._paused,
+                    "device": str(self.engine.device), "counters": dict(self.counters),
+                    "last_update_s": self.last_update_s,
+                    "stalled_s": time.monotonic() - self._last_iteration if busy else 0.0}
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    # ------------------------------------------------------------------ decode thread
+    def _decode_loop(self) -> None:
+        try:
+            while True:
+                self._last_iteration = time.monotonic()  # heartbeat for ping()'s stalled_s
+                with self._cond:
+                    while not self._stopped and not self._commands and (
+                            self._paused or (not self._incoming and not self.engine.has_unfinished)):
+                        self._cond.wait()
+                        self._last_iteration = time.monotonic()  # idle time is not a stall
+                    if self._stopped:
+                        return
+                    commands, self._commands = self._commands, []
+                for command, loop, future in commands:
+                    try:
+                        self._resolve(loop, future, command())
+                    except BaseException as error:  # reported to the caller, the loop goes on
+                        self._resolve(loop, future, error, failed=True)
+                with self._cond:
+                    if self._paused:
+                        continue
+                    admitted, self._incoming = self._incoming, []
+                if admitted:
+                    self._admit(admitted)
+                if self.engine.has_unfinished:
+                    for output in self.engine.step(self.chunk_tokens):
+                        self._deliver(output)
+        except BaseException as error:  # the replica is broken: fail every waiter, never hang them
+            import traceback
+
+            with self._cond:
+                self._loop_error = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+                waiters = list(self._waiting.values()) + [(loop, fut) for _, loop, fut in self._incoming] + \
+                    [(loop, fut) for _, loop, fut in self._commands]
+                self._waiting.clear()
+                self._incoming, self._commands = [], []
+            for loop, future in waiters:
+                self._resolve(loop, future, ReplicaBrokenError(self._broken_message()), failed=True)
+
+    def _admit(self, admitted: list[tuple[GenerationRequest, asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+        for request, loop, future in admitted:
+            self._waiting[request.request_id] = (loop, future)
+        try:
+            self.engine.add_requests([request for request, _, _ in admitted])
+            return
+        except ValueError:
+            pass  # one bad request must not fail the others: admit them one by one below
+        for request, loop, future in admitted:
+            try:
+                self.engine.add_requests([request])
+            except ValueError as error:
+                self._waiting.pop(request.request_id, None)
+                self._resolve(loop, future, error, failed=True)
+
+    def _deliver(self, output: GenerationOutput) -> None:
+        waiter = self._waiting.pop(output.request_id, None)
+        self.counters["finished" if output.finish_reason != "aborted" else "aborted"] += 1
+        self.counters["tokens"] += len(output.token_ids)
+        if waiter is not None:
+            self._resolve(waiter[0], waiter[1], output)
+
+    @staticmethod
+    def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any, failed: bool = False) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if failed:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+        loop.call_soon_threadsafe(settle)
+
+    async def _run_in_decode_thread(self, command: Callable[[], Any]) -> Any:
+        """Run ``command`` in the decode thread between two chunks (a token boundary)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            self._raise_if_broken()
+            if not self._incoming and not self._waiting and not self._commands:
+                self._last_iteration = time.monotonic()  # the loop was idle: its stall clock starts now
+            self._commands.append((command, loop, future))
+            self._cond.notify_all()
+        return await future
+
+    def _raise_if_broken(self) -> None:
+        if self._loop_error is not None:
+            raise ReplicaBrokenError(self._broken_message())
+
+    def _broken_message(self) -> str:
+        return f"hf replica {self.replica_rank} (pid {os.getpid()}): its decode loop failed: {self._loop_error}"
+
+    def _empty_output(self, request: GenerationRequest) -> GenerationOutput:
+        return GenerationOutput(request.request_id, list(request.prompt_ids), [], [], [], "aborted", "")
+
+    def _aborted_reply(self, request: GenerationRequest) -> VersionedTokenOutput:
+        return self._reply(self._empty_output(request))
+
+    def _reply(self, output: GenerationOutput) -> VersionedTokenOutput:
+        return VersionedTokenOutput(
+            token_ids=list(output.token_ids), log_probs=list(output.logprobs),
+            stop_reason="aborted" if output.finish_reason == "aborted" else "completed",
+            versions=list(output.versions), finish_reason=output.finish_reason, stop_detail=output.stop_reason,
+            text=output.text,
+            extra_fields={"global_steps": output.versions[-1] if output.versions else self.engine.policy_version,
+                          "replica_rank": self.replica_rank})
+
+    async def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+class HFReplica(RolloutReplica):
+    """verl ``RolloutReplica`` for the transformers engine (registered as ``"hf"``).
+
+    Standalone only (``rollout.mode=standalone``: the replica has its own process and resources). verl's
+    ``init_standalone`` asks for GPU bundles and a ``CheckpointEngineWorker``; we override it to launch one
+    :class:`HFRolloutServer` actor with ``num_cpus`` CPUs (and one GPU when ``device="cuda"``), because this
+    engine loads weights in its own process. Tensor/pipeline/data parallelism inside a replica is not
+    supported (one process per replica): ``config.tensor_model_parallel_size`` etc. must be 1.
+    """
+
+    def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 1, *, device: str = "cpu",
+                 dtype: Optional[str] = None, torch_threads: Optional[int] = 1, chunk_tokens: int = 4,
+                 num_cpus: float = 1.0, initial_version: int = 0, name_prefix: str = "async_rl",
+                 start_timeout_s: float = 600.0) -> None:
+        super().__init__(replica_rank, config, model_config, gpus_per_node=max(1, gpus_per_node))
+        if self.world_size != 1:
+            raise ValueError(f"rollout.engine=hf runs one process per replica: set tensor/data/pipeline parallel "
+                             f"sizes to 1 (got world size {self.world_size}); use more replicas instead")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"rollout device must be cpu or cuda, got {device!r}")
+        self.device = device
+        self.dtype = dtype
+        self.torch_threads = torch_threads
+        self.chunk_tokens = chunk_tokens
+        self.num_cpus = num_cpus
+        self.initial_version = initial_version
+        self.name_prefix = name_prefix
+        self.start_timeout_s = start_timeout_s
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    async def init_standalone(self) -> None:
+        self.rollout_mode = RolloutMode.STANDALONE
+        await self.launch_servers()
+
+    async def launch_servers(self) -> None:
+        model_path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path")
+        server_cls = ray.remote(HFRolloutServer)
+        server = server_cls.options(
+            name=f"{self.name_prefix}_hf_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
+            max_concurrency=self.max_concurrency, num_cpus=self.num_cpus,
+            num_gpus=1 if self.device == "cuda" else 0,
+        ).remote(str(model_path), replica_rank=self.replica_rank, device=self.device, dtype=self.dtype,
+                 torch_threads=self.torch_threads, chunk_tokens=self.chunk_tokens,
+                 initial_version=self.initial_version)
+        try:  # constructor errors (bad model path, ...) surface here; an unschedulable actor must not hang us
+            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(
+                f"hf replica {self.replica_rank} did not start within {self.start_timeout_s:g} s (it needs "
+                f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; Ray has "
+                f"{ray.available_resources()}); start Ray with more CPUs or lower rollout.cpus_per_replica") from None
+        self.servers = [server]
+        self._server_handle = server
+
+    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
+        results = await asyncio.gather(*[s.update_weights.remote(published, version) for s in self.servers])
+        return results[0]
+
+
+def _load_hf() -> type[RolloutReplica]:
+    return HFReplica
+
+
+# async_rl.verl_plugin registers "hf" (lazily) whenever async_rl is imported or verl loads its plugins; this keeps
+# the name available even if that registration was bypassed
+if "hf" not in RolloutReplicaRegistry._registry:
+    RolloutReplicaRegistry.register("hf", _load_hf)
+
+
+def replica_class(engine: str) -> type[RolloutReplica]:
+    """verl's registry lookup with an install hint for engines that are not installed here."""
+    if engine not in ENGINE_NAMES:
+        raise ValueError(f"rollout.engine={engine!r}; valid choices: {', '.join(ENGINE_NAMES)}")
+    try:
+        return RolloutReplicaRegistry.get(engine)
+    except (ImportError, ValueError) as error:  # verl's vllm shim raises ValueError("vllm version None ...")
+        raise RuntimeError(f"rollout.engine={engine} needs the {engine} package, which is not installed here "
+                           f"({error}); install the GPU profile with `make install-gpu ENGINE={engine}` on a CUDA "
+                           f"machine, or use rollout.engine=hf") from error
+
+
+__all__ = ["BACKEND_NAME", "ENGINE_NAMES", "HFReplica", "HFRolloutServer", "ReplicaBrokenError", "VersionedTokenOutput",
+           "replica_class",
+           "sampling_from_server_dict", "sampling_to_server_dict", "token_output_to_generation"]
