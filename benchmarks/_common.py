@@ -26,10 +26,11 @@ MODEL_CACHE = REPO / "outputs" / "bench_models"
 
 # the same per-algorithm settings tests/test_learning.py uses on toy_keys (B = 32, lr 1e-3)
 ALGO_PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(group_size=4, use_critic=False, policy_loss="vanilla"),
+    "grpo": dict(group_size=4, use_critic=False, policy_loss="ppo_clip"),
     "lisao": dict(group_size=1, use_critic=True, critic_warmup_steps=3, policy_loss="dis"),
     "li2sao": dict(group_size=4, use_critic=True, policy_loss="dis_clip"),
     "sapo": dict(group_size=1, use_critic=False),
+    "ppo": dict(group_size=1, use_critic=True, policy_loss="ppo_clip"),
 }
 
 
@@ -94,18 +95,34 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+# the model every training benchmark trains (async_rl.models.tiny defaults, SFT defaults of async_rl.models.sft)
+MODEL_DESCRIPTION = "tiny Qwen2 (hidden 64, 2 layers), SFT warm start on toy_keys (async_rl.models.sft defaults)"
+
+
+def _sft_settings_tag(env_name: str) -> str:
+    """Short hash of the SFT defaults, so a cached warm start made with other settings is never reused."""
+    import hashlib
+
+    from async_rl.models import sft
+
+    settings = {**sft.DEFAULTS[env_name], "num_demos": sft.DEFAULT_NUM_DEMOS, "lr": sft.DEFAULT_LR,
+                "batch_size": sft.DEFAULT_BATCH_SIZE, "think_tokens_mean": sft.DEFAULT_THINK_TOKENS_MEAN}
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def warm_model(env_name: str = "toy_keys", seed: int = 0) -> str:
-    """Directory of the SFT-warm-started tiny model, built once and cached under ``outputs/bench_models/``."""
+    """Directory of the SFT-warm-started tiny model, built once and cached under ``outputs/bench_models/``
+    (the directory name carries a hash of the SFT defaults: changing them builds a new one)."""
     from async_rl.models.sft import sft_warm_start
     from async_rl.models.tiny import make_tiny_model
 
-    root = MODEL_CACHE / f"tiny-{env_name}-s{seed}"
+    root = MODEL_CACHE / f"tiny-{env_name}-s{seed}-sft{_sft_settings_tag(env_name)}"
     base, sft = root / "base", root / "sft"
     if not (base / "config.json").exists():
         print(f"building the tiny model in {base} ...", flush=True)
         make_tiny_model(base, seed=seed)
     if not (sft / "config.json").exists():
-        print(f"SFT warm start on {env_name} into {sft} (~25 s) ...", flush=True)
+        print(f"SFT warm start on {env_name} into {sft} (~30 s on a free core) ...", flush=True)
         sft_warm_start(base, sft, env_name=env_name, seed=seed)
     return str(sft)
 
@@ -166,8 +183,9 @@ def run_algorithm(
 
     set_threads()
     quiet_libraries()
-    kwargs = {**ALGO_PRESETS.get(name, {}), **(algo_overrides or {})}
-    algo = AlgorithmConfig(name=name, train_batch_trajectories=batch, actor_lr=1e-3, critic_lr=1e-3, **kwargs)
+    # lr 1e-3 for actor and critic unless the overrides say otherwise
+    kwargs = {"actor_lr": 1e-3, "critic_lr": 1e-3, **ALGO_PRESETS.get(name, {}), **(algo_overrides or {})}
+    algo = AlgorithmConfig(name=name, train_batch_trajectories=batch, **kwargs)
     driver_kwargs = {"total_steps": steps, "max_inflight_trajectories": batch, **(driver_overrides or {})}
     spec = RunSpec(model_path=model_path, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", num_tasks, seed),
                    seed=seed, max_new_tokens=24, limits=EpisodeLimits(max_turns=4, max_response_tokens=160))

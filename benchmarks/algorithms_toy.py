@@ -1,113 +1,202 @@
-"""GRPO vs LiSAO vs Li2SAO (and SAPO when the driver runs it) on toy_keys, 3 seeds each.
+"""GRPO, LiSAO, Li2SAO, SAPO and PPO on toy_keys, 5 seeds each: the papers' phenomena, measured.
 
-Every algorithm trains the same SFT-warm-started tiny model with the asynchronous deterministic driver
-(B = 32 trajectories per step, in-flight capacity B, staleness cap 4), the settings of tests/test_learning.py:
-GRPO n = 4; LiSAO n = 1 with 3 critic warm-up steps and the DIS loss; Li2SAO bootstraps with n = 4 and a
-gate scaled to the run length (T_min = 10, M = 3, T_max = 20 for 36 steps). Seeds change the prompt order,
-the sampling and the critic's value-head initialisation; the SFT model is the same.
+Every algorithm trains the same SFT-warm-started tiny model (``_common.warm_model``) with the asynchronous
+deterministic driver (B = 32 trajectories per step, in-flight capacity B, staleness cap 4, actor lr 3e-4 and
+critic lr 1e-3 as in ``make demo``): GRPO n = 4 (Eq. 1, ``ppo_clip``); LiSAO n = 1 with 3 critic warm-up
+steps and DIS; Li2SAO bootstraps with n = 4 and switches to n = 1 when its readiness gate opens; SAPO n = 1
+(one backbone); PPO n = 1 with a separate critic (attention trained, fixed λ = 0.95). Seeds change the
+prompt order, the sampling and the critic's value-head initialisation; the SFT model is the same for all.
 
-Reported: training accuracy at 25 %, 50 % and 100 % of the steps (each the mean of a window of steps/8
-steps ending there), the Li2SAO switch step, simulated clock ticks, mean policy lag; curves in a PNG. The
-ordering is printed as measured, with the seed spread next to it: three seeds of a 36-step toy run separate
-large effects only.
+Li2SAO's gate keeps the paper's thresholds (β 0.9, η_e 0.2, η_a 0.65) with T_min, M and T_max scaled to the
+run length (``gate_for``: 60 / 10 / 150 of the paper's 500 steps would leave no room in a CPU-sized run).
 
-SAPO (``AlgorithmConfig(name="sapo")``) is probed with a one-step run first; when the driver cannot run it,
-the benchmark prints why and goes on without it.
+What it measures, per algorithm (mean, 95 % t-interval over seeds, and every seed):
 
-Run: ``.venv/bin/python benchmarks/algorithms_toy.py [--quick]``; writes
-benchmarks/results/algorithms_toy.{json,png} (``--quick``: algorithms_toy_quick.{json,png}).
+* training accuracy curves (``train/success_rate`` per step) with the band of the seed mean's 95 % interval;
+* final accuracy (mean of the last ``steps/8`` steps) and the worst seed;
+* the cold-critic gap: accuracy over the first quarter of the run minus GRPO's, and the critic's explained
+  variance (over model tokens) on the first steps;
+* Li2SAO: the switch step per seed and whether the gate opened on evidence (``forced`` false) or at T_max,
+  and the gate's EMAs at the switch;
+* policy lag: mean over the steps after Li2SAO's switch, for every algorithm over the *same* steps, so the
+  comparison with GRPO is at the same trajectory budget (B per step).
+
+Run: ``.venv/bin/python benchmarks/algorithms_toy.py [--quick] [--steps N] [--seeds S] [--algorithms a,b]``;
+writes benchmarks/results/algorithms_toy.{json,png} (``--quick``: algorithms_toy_quick.{json,png}, 1 seed, 24
+steps). The default (40 steps, 5 seeds, 25 runs) took 24 min on the shared 2-core box (load average 20 falling
+to 4; one run took 13-30 s once the load was down to about 4). The JSON is rewritten after every run, so a
+benchmark interrupted part way keeps what finished (``"complete": false``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
-import traceback
 
 import _common as C
 
 B = 32
-FRACTIONS = (0.25, 0.5, 1.0)
+# the demo's learning rates (conf/demo.yaml): at actor lr 1e-3 the policy leaves 0.9 within ~10 steps and the
+# mixed groups every critic-readiness statistic needs run out before a scaled T_min
+ACTOR_LR = 3e-4
+CRITIC_LR = 1e-3
+ALGORITHMS = ("grpo", "lisao", "li2sao", "sapo", "ppo")
+# two-sided 95 % Student-t quantiles by degrees of freedom (n - 1); larger samples use the normal 1.96
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def gate_for(steps: int):
+    """Li2SAO's gate for a run of ``steps``: T_min = steps/4, M = 5 (3 under 24 steps), T_max = steps/2 + M."""
+    from async_rl.config import GateConfig
+
+    patience = 5 if steps >= 24 else 3
+    t_min = max(1, round(steps / 4))
+    return GateConfig(t_min=t_min, patience=patience, t_max=max(t_min + patience, round(steps / 2) + patience))
 
 
 def algo_overrides(name: str, steps: int) -> dict:
+    lrs = {"actor_lr": ACTOR_LR, "critic_lr": CRITIC_LR}
     if name == "li2sao":
-        from async_rl.config import GateConfig
-
-        # tests/test_learning.py uses T_min 10, M 3, T_max 20 for 36 steps; scale with the run length
-        t_min = max(1, round(steps * 10 / 36))
-        t_max = max(t_min + 1, round(steps * 20 / 36))
-        return {"gate": GateConfig(t_min=t_min, patience=3 if steps >= 24 else 2, t_max=t_max)}
-    return {}
+        return {**lrs, "gate": gate_for(steps)}
+    if name == "ppo":
+        return {**lrs, "gae_lambda": 0.95, "critic_updates_per_batch": 1, "freeze_critic_attention": False}
+    return lrs
 
 
-def probe_sapo(model: str) -> tuple[bool, str]:
-    """Run SAPO for one step; (True, "") when it trains, else (False, the reason)."""
-    try:
-        run = C.run_algorithm("sapo", model, steps=1, batch=B, algo_overrides=algo_overrides("sapo", 1))
-    except Exception as exc:  # noqa: BLE001 - any failure means "not runnable by the driver yet"
-        last = traceback.extract_tb(exc.__traceback__)[-1]
-        return False, f"{type(exc).__name__}: {exc} (at {last.filename.split('src/')[-1]}:{last.lineno})"
-    if not run.history:
-        return False, "the driver returned no step"
-    return True, ""
-
-
-def gate_at_switch(run: C.RunResult) -> dict:
-    """Li2SAO: the gate's EMAs and counter on the step it opened, and whether T_max forced it."""
-    row = next((m for m in run.history if m.get("li2sao/gate_opened")), None)
-    if row is None:
-        return {}
-    patience = run.extra["algorithm"]["gate"]["patience"]
-    return {"gate_ema_explained_var_at_switch": row.get("li2sao/ema_explained_var"),
-            "gate_ema_rank_acc_at_switch": row.get("li2sao/ema_rank_acc"),
-            "gate_counter_at_switch": row.get("li2sao/gate_counter"),
-            "switch_forced_at_t_max": bool(row.get("li2sao/gate_counter", 0) < patience)}
-
-
-def window(acc: list[float], frac: float, steps: int) -> float:
-    return C.window_mean(acc, frac, max(2, round(steps / 8)) / max(len(acc), 1))
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the two-sided 95 % t-interval); half-width 0 for one value, nan for none."""
     vals = [v for v in values if v == v]
     if not vals:
         return float("nan"), float("nan")
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+    if len(vals) == 1:
+        return vals[0], 0.0
+    t = T95.get(len(vals) - 1, 1.96)
+    return statistics.fmean(vals), t * statistics.stdev(vals) / math.sqrt(len(vals))
 
 
-def plot(runs: dict[str, list[C.RunResult]], path, steps: int) -> None:
+def window_mean(values: list[float], start: int, stop: int) -> float:
+    part = [v for v in values[start:stop] if v == v]
+    return sum(part) / len(part) if part else float("nan")
+
+
+def gate_record(run: C.RunResult) -> dict:
+    """Li2SAO: step of the switch, whether T_max forced it, and the gate's EMAs on that step."""
+    row = next((m for m in run.history if m.get("li2sao/gate_opened")), None)
+    if row is None:
+        return {"switch_step": None, "switch_forced": None}
+    patience = run.extra["algorithm"]["gate"]["patience"]
+    return {"switch_step": run.switch_step,
+            "switch_forced": bool(row.get("li2sao/gate_counter", 0) < patience),
+            "ema_explained_var_at_switch": row.get("li2sao/ema_explained_var"),
+            "ema_rank_acc_at_switch": row.get("li2sao/ema_rank_acc"),
+            "first_step_ema_e_above_eta": next((i + 1 for i, m in enumerate(run.history)
+                                                if m.get("li2sao/ema_explained_var", 0.0) > m.get("li2sao/eta_e", 1)),
+                                               None)}
+
+
+def seed_record(run: C.RunResult, steps: int) -> dict:
+    acc = run.series("train/success_rate")
+    tail = max(2, round(steps / 8))
+    quarter = max(1, round(steps / 4))
+    record = {
+        "seed": run.extra["seed"],
+        "final_accuracy": window_mean(acc, len(acc) - tail, len(acc)),
+        "first_quarter_accuracy": window_mean(acc, 0, quarter),
+        "critic_ev_tokens_first_steps": [m.get("critic/ev_tokens") for m in run.history[:quarter]],
+        "mean_policy_lag": run.mean("async/policy_lag/mean"),
+        "off_policy_token_ratio": run.mean("async/off_policy_token_ratio"),
+        "sim_clock_ticks": run.clock_ticks,
+        "dropped_stale": run.dropped_stale,
+        "wall_s": run.wall_s,
+        "curve": acc,
+        "policy_lag_curve": run.series("async/policy_lag/mean"),
+    }
+    if run.extra["algorithm"]["name"] == "li2sao":
+        record.update(gate_record(run))
+        record["discarded_at_switch"] = run.discarded_at_switch
+        record["ema_explained_var_curve"] = [m.get("li2sao/ema_explained_var") for m in run.history]
+        record["explained_var_residual_curve"] = [m.get("li2sao/explained_var_residual") for m in run.history]
+    return record
+
+
+def summarise(per_algo: dict[str, list[dict]], steps: int) -> dict:
+    grpo = per_algo.get("grpo", [])
+    grpo_final = mean_ci([r["final_accuracy"] for r in grpo])[0]
+    grpo_early = mean_ci([r["first_quarter_accuracy"] for r in grpo])[0]
+    switches = [r["switch_step"] for r in per_algo.get("li2sao", []) if r.get("switch_step")]
+    # the lag comparison window: from the latest Li2SAO switch to the end, the same steps for every algorithm
+    lag_from = max(switches) if switches else None
+    out = {}
+    for name, records in per_algo.items():
+        final_m, final_ci = mean_ci([r["final_accuracy"] for r in records])
+        early_m, early_ci = mean_ci([r["first_quarter_accuracy"] for r in records])
+        summary = {
+            "seeds": len(records),
+            "final_accuracy_mean": final_m, "final_accuracy_ci95": final_ci,
+            "final_accuracy_worst_seed": min((r["final_accuracy"] for r in records), default=float("nan")),
+            "first_quarter_accuracy_mean": early_m, "first_quarter_accuracy_ci95": early_ci,
+            "early_gap_vs_grpo": early_m - grpo_early if grpo else None,
+            "mean_policy_lag": mean_ci([r["mean_policy_lag"] for r in records])[0],
+            "sim_clock_ticks_mean": mean_ci([r["sim_clock_ticks"] for r in records])[0],
+        }
+        if grpo:
+            summary["worst_seed_minus_grpo_mean"] = summary["final_accuracy_worst_seed"] - grpo_final
+        if lag_from is not None:
+            lags = [window_mean(r["policy_lag_curve"], lag_from, len(r["policy_lag_curve"])) for r in records]
+            summary["policy_lag_after_switch"], summary["policy_lag_after_switch_ci95"] = mean_ci(lags)
+            summary["policy_lag_window_from_step"] = lag_from + 1
+        if name == "li2sao":
+            summary["switch_steps"] = [r["switch_step"] for r in records]
+            summary["switch_forced"] = [r["switch_forced"] for r in records]
+            summary["gate_opened_on_evidence_every_seed"] = all(r["switch_forced"] is False for r in records)
+        out[name] = summary
+    return out
+
+
+def plot(per_algo: dict[str, list[dict]], path, steps: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from async_rl.plots import two_sided_ema
-
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
-    for i, (name, seed_runs) in enumerate(runs.items()):
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    for i, (name, records) in enumerate(per_algo.items()):
         color = f"C{i}"
-        curves = np.array([two_sided_ema(r.series("train/success_rate")) for r in seed_runs])
-        x = np.arange(1, curves.shape[1] + 1)
-        axes[0].plot(x, curves.mean(axis=0), color=color, linewidth=2, label=f"{name} (mean of {len(seed_runs)} seeds)")
-        axes[0].fill_between(x, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15)
-        for j, r in enumerate(seed_runs):
-            axes[1].plot(r.series("async/clock_ticks"), two_sided_ema(r.series("train/success_rate")), color=color,
-                         alpha=0.8, linewidth=1, label=name if j == 0 else None)
-            if r.switch_step is not None:
-                axes[0].axvline(r.switch_step, color=color, linestyle="--", linewidth=0.8,
-                                label=f"{name} switch" if j == 0 else None)
-    axes[0].set_xlabel("step")
-    axes[0].set_title("training accuracy (EMA span 10; band = min-max over seeds)")
-    axes[1].set_xlabel("simulated clock ticks")
-    axes[1].set_title("training accuracy vs simulated time (one line per seed)")
+        curves = np.array([r["curve"] for r in records if len(r["curve"]) == steps], dtype=float)
+        if curves.size == 0:
+            continue
+        x = np.arange(1, steps + 1)
+        mean = curves.mean(axis=0)
+        n = curves.shape[0]
+        half = (T95.get(n - 1, 1.96) * curves.std(axis=0, ddof=1) / np.sqrt(n)) if n > 1 else np.zeros(steps)
+        axes[0].plot(x, mean, color=color, linewidth=2, label=f"{name} ({n} seeds)")
+        axes[0].fill_between(x, np.clip(mean - half, 0, 1), np.clip(mean + half, 0, 1), color=color, alpha=0.15)
+        lags = np.array([r["policy_lag_curve"] for r in records if len(r["policy_lag_curve"]) == steps], dtype=float)
+        if lags.size:
+            axes[2].plot(x, lags.mean(axis=0), color=color, linewidth=1.5, label=name)
+        if name == "li2sao":
+            for j, r in enumerate(records):
+                if r.get("switch_step"):
+                    style = ":" if r["switch_forced"] else "--"
+                    for ax in (axes[0], axes[2]):
+                        ax.axvline(r["switch_step"], color=color, linestyle=style, linewidth=0.8,
+                                   label=("li2sao switch (-- evidence, : forced)" if j == 0 and ax is axes[0]
+                                          else None))
+                ema = [v if v is not None else np.nan for v in r["ema_explained_var_curve"]]
+                axes[1].plot(np.arange(1, len(ema) + 1), ema, color=color, alpha=0.8, linewidth=1,
+                             label="li2sao EMA e_k (one line per seed)" if j == 0 else None)
+            gate = gate_for(steps)
+            axes[1].axhline(gate.eta_e, color="black", linestyle="--", linewidth=0.8, label=f"η_e = {gate.eta_e}")
+            axes[1].axvline(gate.t_min, color="gray", linewidth=0.8, label=f"T_min = {gate.t_min}")
+    axes[0].set_title("training accuracy (mean over seeds, band = 95 % t-interval)")
+    axes[0].set_ylabel("success rate")
+    axes[1].set_title("Li2SAO readiness: EMA of e_k (terminal residual EV)")
+    axes[2].set_title("mean policy lag per step (mean over seeds)")
     for ax in axes:
-        ax.set_ylabel("success rate")
-        for frac in FRACTIONS[:-1]:
-            if ax is axes[0]:
-                ax.axvline(frac * steps, color="gray", linewidth=0.5, alpha=0.5)
+        ax.set_xlabel("step")
         ax.legend(fontsize=7)
     fig.suptitle(f"toy_keys, B={B}, async in-flight, {steps} steps")
     fig.tight_layout()
@@ -117,125 +206,75 @@ def plot(runs: dict[str, list[C.RunResult]], path, steps: int) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 seed, 16 steps (~1-2 min)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 36; quick 16)")
-    parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3; quick 1)")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 24 steps")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 40; quick 24)")
+    parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 5; quick 1)")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset")
     args = parser.parse_args(argv)
-    steps = args.steps or (16 if args.quick else 36)
-    seeds = list(range(args.seeds or (1 if args.quick else 3)))
+    steps = args.steps or (24 if args.quick else 40)
+    seeds = list(range(args.seeds or (1 if args.quick else 5)))
+    names = [n.strip() for n in args.algorithms.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown or not names:
+        raise SystemExit(f"--algorithms: unknown {unknown}; choose from {', '.join(ALGORITHMS)}")
+    if steps < 8:
+        raise SystemExit(f"--steps {steps}: need at least 8 so that the gate and the accuracy windows fit")
     C.set_threads()
     C.quiet_libraries()
     machine = C.machine_info()
     model = C.warm_model()
     started = time.perf_counter()
+    stem = C.result_stem("algorithms_toy", args.quick)
+    setup = {"batch_trajectories": B, "steps": steps, "seeds": seeds, "staleness_cap": 4,
+             "max_inflight_trajectories": B, "actor_lr": ACTOR_LR, "critic_lr": CRITIC_LR,
+             "presets": {n: {k: (vars(v) if hasattr(v, "__dataclass_fields__") else v)
+                             for k, v in {**C.ALGO_PRESETS.get(n, {}), **algo_overrides(n, steps)}.items()}
+                         for n in names},
+             "final_accuracy_window_steps": max(2, round(steps / 8)),
+             "first_quarter_steps": max(1, round(steps / 4)),
+             "model": C.MODEL_DESCRIPTION}
 
-    names = ["grpo", "lisao", "li2sao"]
-    sapo_ok, sapo_reason = probe_sapo(model)
-    if sapo_ok:
-        names.append("sapo")
-        print("SAPO: runs in the driver; included", flush=True)
-    else:
-        print(f"SAPO: skipped -- AlgorithmConfig(name='sapo') does not run in the deterministic driver yet: "
-              f"{sapo_reason}", flush=True)
-
+    per_algo: dict[str, list[dict]] = {}
     bar = C.progress(steps * len(names) * len(seeds), "algorithms_toy")
-    runs: dict[str, list[C.RunResult]] = {}
-    for name in names:
-        for seed in seeds:
+    results: dict = {}
+    for seed in seeds:  # seed-major: an interrupted run still has every algorithm on the first seeds
+        for name in names:
             run = C.run_algorithm(name, model, label=f"{name} s{seed}", steps=steps, batch=B, seed=seed,
                                   algo_overrides=algo_overrides(name, steps), on_step=lambda m: bar.update(1))
-            runs.setdefault(name, []).append(run)
-            acc = run.series("train/success_rate")
-            print(f"  done {name} seed {seed}: acc {window(acc, 0.25, steps):.2f} -> {window(acc, 1.0, steps):.2f}"
-                  f", switch {run.switch_step}, {run.wall_s:.1f} s wall", flush=True)
+            record = seed_record(run, steps)
+            per_algo.setdefault(name, []).append(record)
+            gate = (f", switch {record['switch_step']} ({'forced' if record['switch_forced'] else 'evidence'})"
+                    if name == "li2sao" else "")
+            print(f"  {name} seed {seed}: first quarter {record['first_quarter_accuracy']:.2f}, final "
+                  f"{record['final_accuracy']:.2f}, lag {record['mean_policy_lag']:.2f}{gate}, {run.wall_s:.0f} s",
+                  flush=True)
+            results = {
+                "benchmark": "algorithms_toy",
+                "description": "GRPO / LiSAO / Li2SAO / SAPO / PPO on toy_keys, B=32, async in-flight",
+                "quick": args.quick, "complete": False, "setup": setup,
+                "summary": summarise(per_algo, steps), "algorithms": per_algo,
+                "total_benchmark_wall_s": time.perf_counter() - started, "machine": machine,
+            }
+            C.save_json(stem, results)
     bar.close()
-
-    from async_rl.plots import two_sided_ema
-
-    table = []
-    per_algo = {}
-    for name, seed_runs in runs.items():
-        per_seed = []
-        for r in seed_runs:
-            acc = r.series("train/success_rate")
-            per_seed.append({
-                "seed": r.extra["seed"],
-                "accuracy": {f"{int(f * 100)}%": window(acc, f, steps) for f in FRACTIONS},
-                "accuracy_first_step": acc[0] if acc else float("nan"),
-                "switch_step": r.switch_step,
-                "sim_clock_ticks": r.clock_ticks,
-                "mean_policy_lag": r.mean("async/policy_lag/mean"),
-                "off_policy_token_ratio": r.mean("async/off_policy_token_ratio"),
-                "dropped_stale": r.dropped_stale,
-                "discarded_at_switch": r.discarded_at_switch,
-                "final_critic_explained_var": (r.series("critic/explained_var") or [float("nan")])[-1],
-                "final_response_length": (r.series("train/response_length/mean") or [float("nan")])[-1],
-                "min_accuracy_ema": min(two_sided_ema(acc)) if acc else float("nan"),
-                **gate_at_switch(r),
-                "wall_s": r.wall_s,
-                "curve": acc,
-            })
-        summary = {}
-        for f in FRACTIONS:
-            key = f"{int(f * 100)}%"
-            m, s = mean_std([p["accuracy"][key] for p in per_seed])
-            summary[f"accuracy_{key}_mean"], summary[f"accuracy_{key}_std"] = m, s
-        summary["sim_clock_ticks_mean"] = mean_std([p["sim_clock_ticks"] for p in per_seed])[0]
-        summary["mean_policy_lag"] = mean_std([p["mean_policy_lag"] for p in per_seed])[0]
-        summary["switch_steps"] = [p["switch_step"] for p in per_seed]
-        summary["wall_s_mean"] = mean_std([p["wall_s"] for p in per_seed])[0]
-        per_algo[name] = {"summary": summary, "seeds": per_seed}
-        table.append([name] + [f"{summary[f'accuracy_{int(f * 100)}%_mean']:.3f} ± "
-                               f"{summary[f'accuracy_{int(f * 100)}%_std']:.3f}" for f in FRACTIONS]
-                     + [str(summary["switch_steps"]) if name == "li2sao" else "-", summary["sim_clock_ticks_mean"],
-                        summary["mean_policy_lag"], summary["wall_s_mean"]])
-
-    ordering = sorted(per_algo, key=lambda n: -per_algo[n]["summary"]["accuracy_100%_mean"])
-    comparisons = []
-    for a, b in zip(ordering, ordering[1:]):
-        sa, sb = per_algo[a]["summary"], per_algo[b]["summary"]
-        gap = sa["accuracy_100%_mean"] - sb["accuracy_100%_mean"]
-        spread = max(sa["accuracy_100%_std"], sb["accuracy_100%_std"])
-        comparisons.append({"higher": a, "lower": b, "gap": gap, "max_seed_std": spread,
-                            "gap_exceeds_seed_std": bool(gap > spread)})
-    results = {
-        "benchmark": "algorithms_toy",
-        "description": "GRPO / LiSAO / Li2SAO (+SAPO if runnable) on toy_keys, B=32, async in-flight B",
-        "quick": args.quick,
-        "setup": {"batch_trajectories": B, "steps": steps, "seeds": seeds, "staleness_cap": 4,
-                  "max_inflight_trajectories": B, "actor_lr": 1e-3, "critic_lr": 1e-3,
-                  "presets": {n: {k: (vars(v) if hasattr(v, "__dataclass_fields__") else v)
-                                  for k, v in {**C.ALGO_PRESETS[n], **algo_overrides(n, steps)}.items()}
-                              for n in names},
-                  "accuracy_window_steps": max(2, round(steps / 8)),
-                  "model": "tiny Qwen2 (hidden 64, 2 layers), SFT warm start on toy_keys"},
-        "sapo": {"included": sapo_ok, "reason_skipped": sapo_reason or None},
-        "algorithms": per_algo,
-        "ordering_by_final_accuracy": ordering,
-        "adjacent_comparisons": comparisons,
-        "total_benchmark_wall_s": time.perf_counter() - started,
-        "machine": machine,
-    }
-    stem = C.result_stem("algorithms_toy", args.quick)
+    results["complete"] = True
     json_path = C.save_json(stem, results)
     png = C.RESULTS / f"{stem}.png"
-    plot(runs, png, steps)
+    plot(per_algo, png, steps)
 
-    print(f"\ntoy_keys, B={B}, {steps} steps, seeds {seeds} (accuracy = mean of a {max(2, round(steps / 8))}-step "
-          "window ending at that point; mean ± std over seeds)")
-    C.print_table(table, ["algorithm", "acc @25%", "acc @50%", "acc @100%", "switch step", "sim ticks", "mean lag",
-                          "wall s/run"])
-    print("\nordering by final accuracy: " + " > ".join(ordering))
-    for c in comparisons:
-        verdict = "larger than" if c["gap_exceeds_seed_std"] else "within"
-        print(f"  {c['higher']} - {c['lower']} = {c['gap']:+.3f} ({verdict} the seed std {c['max_seed_std']:.3f})")
-    for p in per_algo.get("li2sao", {}).get("seeds", []):
-        if p["switch_step"] is not None:
-            how = "forced at T_max" if p.get("switch_forced_at_t_max") else "gate opened on readiness"
-            print(f"  li2sao seed {p['seed']}: switch at step {p['switch_step']} ({how}; EMA e = "
-                  f"{p['gate_ema_explained_var_at_switch']:.3f}, EMA a = {p['gate_ema_rank_acc_at_switch']:.3f})")
-    if not sapo_ok:
-        print(f"SAPO skipped: {sapo_reason}")
+    summary = results["summary"]
+    print(f"\ntoy_keys, B={B}, {steps} steps, seeds {seeds}; mean ± 95 % t-interval over seeds")
+    rows = []
+    for name in names:
+        s = summary[name]
+        rows.append([name, f"{s['first_quarter_accuracy_mean']:.3f} ± {s['first_quarter_accuracy_ci95']:.3f}",
+                     f"{s['final_accuracy_mean']:.3f} ± {s['final_accuracy_ci95']:.3f}",
+                     s["final_accuracy_worst_seed"], s["mean_policy_lag"],
+                     s.get("policy_lag_after_switch", float("nan")),
+                     str(list(zip(s["switch_steps"], ["forced" if f else "evidence" for f in s["switch_forced"]])))
+                     if name == "li2sao" else "-"])
+    C.print_table(rows, ["algorithm", "acc first 1/4", "final acc", "worst seed", "mean lag", "lag after switch",
+                         "li2sao switch"])
     print(f"\nwrote {json_path} and {png}")
     return results
 

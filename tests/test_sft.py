@@ -11,6 +11,7 @@ import torch
 from async_rl.envs.toy import TOY_KEYS_PROMPT, make_toy_tasks, observation_text
 from async_rl.models.loading import load_causal_lm, load_tokenizer
 from async_rl.models.sft import (
+    DEFAULTS,
     IGNORE_INDEX,
     main as sft_main,
     make_noisy_demonstrations,
@@ -118,6 +119,16 @@ def test_demonstrations_follow_the_noise_level(tokenizer):
     blind = sum(len(d["messages"]) == 2 for d in noisy) / len(noisy)
     assert 0.4 < blind < 0.6
 
+    # blind_fraction splits the wrong demos between guessing without looking and looking then opening wrong
+    all_blind = make_noisy_demonstrations("toy_keys", tasks[:100], tokenizer, noise=1.0, think_tokens_mean=0.0,
+                                          seed=0, blind_fraction=1.0)
+    assert all(len(d["messages"]) == 2 and d["messages"][1]["content"].startswith("open ") for d in all_blind)
+    all_look = make_noisy_demonstrations("toy_keys", tasks[:100], tokenizer, noise=1.0, think_tokens_mean=0.0,
+                                         seed=0, blind_fraction=0.0)
+    assert all(len(d["messages"]) == 4 and not d["success"] for d in all_look)  # looked, then opened a wrong digit
+    with pytest.raises(ValueError, match="blind_fraction"):
+        make_noisy_demonstrations("toy_keys", tasks[:2], tokenizer, noise=0.5, blind_fraction=1.5)
+
     half = make_noisy_demonstrations("toy_keys", tasks, tokenizer, noise=0.5, think_tokens_mean=2.0, seed=0)
     assert 0.4 < sum(d["noisy"] for d in half) / len(half) < 0.6
     again = make_noisy_demonstrations("toy_keys", tasks, tokenizer, noise=0.5, think_tokens_mean=2.0, seed=0)
@@ -128,6 +139,23 @@ def test_demonstrations_follow_the_noise_level(tokenizer):
     assert all(len(d["messages"]) == 2 and d["messages"][1]["content"].startswith("\\boxed{") for d in echo)
     assert all(d["success"] != d["noisy"] for d in echo)
     assert 0.2 < sum(d["success"] for d in echo) / len(echo) < 0.4
+
+
+def test_default_toy_keys_warm_start_fails_only_by_not_looking(tokenizer):
+    """The default noise model makes the outcome visible to a frozen-attention critic: every demonstration
+    that looks succeeds and every wrong one skipped `look`, so whether an observation is in the context
+    decides the reward (docs/toy_tasks.md, "Why the critic can learn here")."""
+    tasks = make_toy_tasks("toy_keys", 300, seed=3)
+    demos = make_noisy_demonstrations("toy_keys", tasks, tokenizer, noise=DEFAULTS["toy_keys"]["noise"],
+                                      think_tokens_mean=1.0, seed=3,
+                                      blind_fraction=DEFAULTS["toy_keys"]["blind_fraction"])
+    looked = [d for d in demos if len(d["messages"]) == 4]
+    blind = [d for d in demos if len(d["messages"]) == 2]
+    assert len(looked) + len(blind) == len(demos)
+    assert looked and all(d["success"] for d in looked)
+    assert all(d["noisy"] for d in blind)
+    # 70 % noisy demos guess blindly; a blind guess is right 1 time in 10: 0.3 + 0.7 * 0.1 = 0.37
+    assert 0.3 < sum(d["success"] for d in demos) / len(demos) < 0.45
 
 
 def test_short_sft_run_lowers_the_loss_and_saves(small_model_dir, tmp_path):

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -53,9 +54,13 @@ from async_rl.envs.toy import (
 __all__ = [
     "DEFAULTS",
     "IGNORE_INDEX",
+    "TASK_DEFAULTS",
+    "TASK_DEMO_ENVS",
     "make_noisy_demonstrations",
+    "make_task_demonstrations",
     "sample_success_rate",
     "sft_warm_start",
+    "sft_warm_start_on_tasks",
     "think_filler",
     "tokenize_conversation",
 ]
@@ -66,7 +71,7 @@ ENDOFTEXT = "<|endoftext|>"
 
 # Defaults chosen so the default tiny model lands in the target success band (see docs/toy_tasks.md).
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "toy_keys": {"noise": 0.7, "steps": 450, "clean_fraction": 2 / 3},
+    "toy_keys": {"noise": 0.7, "steps": 450, "clean_fraction": 2 / 3, "blind_fraction": 1.0},
     "toy_echo": {"noise": 0.7, "steps": 450, "clean_fraction": 2 / 3},
 }
 DEFAULT_NUM_DEMOS = 1024
@@ -157,13 +162,14 @@ def think_filler(rng: random.Random, mean_words: float, max_words: int = MAX_THI
     return "<think> " + " ".join(rng.choice(_FILLER_WORDS) for _ in range(k)) + " </think>\n"
 
 
-def _demo_actions(env_name: str, task: dict[str, Any], noisy: bool, rng: random.Random) -> list[str]:
+def _demo_actions(env_name: str, task: dict[str, Any], noisy: bool, rng: random.Random,
+                  blind_fraction: float) -> list[str]:
     """Bare action sequence of one demonstration (observations come from the env itself)."""
     if env_name == "toy_keys":
         key = int(task["key"])
         if not noisy:
             return ["look", f"open {key}"]
-        if rng.random() < 0.5:  # blind guess: skip `look` (right 10 % of the time by luck)
+        if rng.random() < blind_fraction:  # blind guess: skip `look` (right 10 % of the time by luck)
             return [f"open {rng.randrange(10)}"]
         wrong = rng.choice([d for d in range(10) if d != key])
         return ["look", f"open {wrong}"]
@@ -179,14 +185,16 @@ def make_noisy_demonstrations(
     noise: float,
     think_tokens_mean: float = DEFAULT_THINK_TOKENS_MEAN,
     seed: int = 0,
+    blind_fraction: float = 0.5,
 ) -> list[dict[str, Any]]:
     """One chat-formatted demonstration per task, a fraction ``noise`` of them with wrong actions.
 
     Clean ``toy_keys`` demos play ``look`` then ``open <key>``; noisy ones either guess blindly
-    (``open <random digit>`` right away) or look and then open a wrong digit (half each). Clean
-    ``toy_echo`` demos box the code, noisy ones box another digit. Each assistant message may start with
-    a thinking filler (:func:`think_filler`). The episode is played through the real env, so the user
-    turns carry its observations verbatim and ``reward`` is the env's reward.
+    (``open <random digit>`` right away, a fraction ``blind_fraction`` of them) or look and then open a
+    wrong digit (the rest). Clean ``toy_echo`` demos box the code, noisy ones box another digit. Each
+    assistant message may start with a thinking filler (:func:`think_filler`). The episode is played
+    through the real env, so the user turns carry its observations verbatim and ``reward`` is the env's
+    reward.
 
     ``env_name`` None takes each task's ``"env"`` field. Returns dicts with ``id``, ``env``, ``messages``
     (user prompt, then alternating assistant / user-observation turns), ``noisy``, ``reward``,
@@ -194,6 +202,8 @@ def make_noisy_demonstrations(
     """
     if not 0.0 <= noise <= 1.0:
         raise ValueError(f"noise must be in [0, 1], got {noise}")
+    if not 0.0 <= blind_fraction <= 1.0:
+        raise ValueError(f"blind_fraction must be in [0, 1], got {blind_fraction}")
     rng = random.Random(seed)
     demos: list[dict[str, Any]] = []
     for task in tasks:
@@ -204,7 +214,7 @@ def make_noisy_demonstrations(
         env = ToyKeysEnv() if name == "toy_keys" else ToyEchoEnv()
         messages = [{"role": "user", "content": env.reset(task)}]
         result = None
-        for action in _demo_actions(name, task, noisy, rng):
+        for action in _demo_actions(name, task, noisy, rng, blind_fraction):
             text = think_filler(rng, think_tokens_mean) + action
             if messages[-1]["role"] == "assistant":
                 messages.append({"role": "user", "content": result.observation})
@@ -320,6 +330,7 @@ def sft_warm_start(
     seed: int = 0,
     think_tokens_mean: float = DEFAULT_THINK_TOKENS_MEAN,
     clean_fraction: float | None = None,
+    blind_fraction: float | None = None,
     warmup_steps: int = 20,
     log_every: int = 0,
     num_threads: int | None = 1,
@@ -340,6 +351,8 @@ def sft_warm_start(
         think_tokens_mean: mean length in words of the optional ``<think>`` filler (0 disables it).
         clean_fraction: fraction of the steps (the first ones) trained on clean (noise 0) versions of the
             same demonstrations; None takes :data:`DEFAULTS` (min over the envs).
+        blind_fraction: ``toy_keys``: fraction of the wrong demonstrations that guess without looking
+            (the rest look and open a wrong digit); None takes :data:`DEFAULTS`.
         warmup_steps: linear learning-rate warmup.
         log_every: print the loss every this many steps (0: silent).
         num_threads: torch CPU threads while training (restored afterwards); None leaves the setting.
@@ -363,6 +376,8 @@ def sft_warm_start(
         steps = max(DEFAULTS[n]["steps"] for n in names)
     if clean_fraction is None:
         clean_fraction = min(DEFAULTS[n]["clean_fraction"] for n in names)
+    if blind_fraction is None:
+        blind_fraction = DEFAULTS["toy_keys"]["blind_fraction"]
     if not 0.0 <= clean_fraction <= 1.0:
         raise ValueError(f"clean_fraction must be in [0, 1], got {clean_fraction}")
     if num_demos < 1 or steps < 0 or batch_size < 1:
@@ -378,7 +393,8 @@ def sft_warm_start(
         count = num_demos // len(names) + (1 if index < num_demos % len(names) else 0)
         tasks = make_toy_tasks(name, count, seed=1000 + seed)
         demo_seed = seed * 7919 + index
-        demos += make_noisy_demonstrations(name, tasks, tokenizer, noise, think_tokens_mean, seed=demo_seed)
+        demos += make_noisy_demonstrations(name, tasks, tokenizer, noise, think_tokens_mean, seed=demo_seed,
+                                           blind_fraction=blind_fraction)
         clean_demos += make_noisy_demonstrations(name, tasks, tokenizer, 0.0, think_tokens_mean, seed=demo_seed)
     clean_steps = int(round(clean_fraction * steps))
     phases = [(clean_demos, clean_steps), (demos, steps - clean_steps)]
@@ -404,6 +420,7 @@ def sft_warm_start(
         "batch_size": batch_size,
         "seed": seed,
         "think_tokens_mean": think_tokens_mean,
+        "blind_fraction": blind_fraction,
         "demo_success_rate": sum(d["success"] for d in demos) / len(demos),
         "mean_demo_tokens": sum(len(d["input_ids"]) for d in demos) / len(demos),
         "mean_assistant_tokens": sum(sum(d["loss_mask"]) for d in demos) / len(demos),
@@ -525,6 +542,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--think-tokens-mean", type=float, default=DEFAULT_THINK_TOKENS_MEAN)
     parser.add_argument("--clean-fraction", type=float, default=None,
                         help="fraction of the steps (the first ones) on clean demos (default per env)")
+    parser.add_argument("--blind-fraction", type=float, default=None,
+                        help="toy_keys: fraction of the wrong demos that skip `look` (default per env)")
     parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (0: leave torch's setting)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=0)
@@ -548,6 +567,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         think_tokens_mean=args.think_tokens_mean,
         clean_fraction=args.clean_fraction,
+        blind_fraction=args.blind_fraction,
         log_every=args.log_every,
         num_threads=args.num_threads or None,
     )
@@ -569,3 +589,259 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+
+
+# --------------------------------------------------------------------------------------------------
+# Warm starts on the real tasks (the SIZE=tiny recipes: math, retool, alfworld, webshop)
+# --------------------------------------------------------------------------------------------------
+
+#: Tuned so each SIZE=tiny recipe's tiny model knows its task's action format and succeeds sometimes
+#: (recipes/README.md). Multi-turn transcripts (2-3k tokens) train one at a time: a padded batch costs twice
+#: as much per token on CPU (the attention mask disables the fused causal kernel).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "math": {"noise": 0.6, "steps": 200, "clean_fraction": 0.5, "num_demos": 256, "batch_size": 16},
+    "retool": {"noise": 0.6, "steps": 250, "clean_fraction": 0.6, "num_demos": 128, "batch_size": 16},
+    "alfworld": {"noise": 0.6, "steps": 120, "clean_fraction": 0.5, "num_demos": 24, "batch_size": 1},
+    "webshop": {"noise": 0.6, "steps": 120, "clean_fraction": 0.5, "num_demos": 32, "batch_size": 1},
+}
+TASK_DEMO_ENVS: tuple[str, ...] = tuple(TASK_DEFAULTS)
+TASK_THINK_TOKENS_MEAN = 0.5  # short fillers: the tiny recipes' token budgets are tight
+
+_INTERPRETER_INT = re.compile(r"<interpreter>\s*(-?\d+)\s*</interpreter>")
+
+
+def _wrong_number(rng: random.Random, right: str) -> str:
+    """A plausible wrong integer answer: the right one with one digit changed (or off by one)."""
+    if right.lstrip("-").isdigit():
+        digits = list(right)
+        positions = [i for i, ch in enumerate(digits) if ch.isdigit()]
+        i = rng.choice(positions)
+        digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
+        wrong = "".join(digits)
+        return wrong if wrong != right else str(int(right) + 1)
+    return str(rng.randrange(1000))
+
+
+def _perturbed_expression(rng: random.Random, expression: str) -> str:
+    """``expression`` with one digit changed: code that runs, but computes the wrong number."""
+    positions = [i for i, ch in enumerate(expression) if ch.isdigit()]
+    if not positions:
+        return expression + "+1"
+    i = rng.choice(positions)
+    return expression[:i] + rng.choice([d for d in "123456789" if d != expression[i]]) + expression[i + 1:]
+
+
+def _retool_code(expression: str) -> str:
+    return f"<code>\nprint({expression})\n</code>"
+
+
+def _names_phrase(text: str, phrase: str) -> bool:
+    """``phrase`` occurs in ``text`` as whole words ("8 fl oz" is not named by "33.8 fl oz")."""
+    return re.search(r"(?<![\w.])" + re.escape(phrase) + r"(?![\w.])", text) is not None
+
+
+class _ScriptedPolicy:
+    """One scripted demonstration episode of a real task: the next action given what the env showed.
+
+    Clean episodes play the task's expert: math boxes the training record's answer; ReTool runs the
+    toy expression (or prints the record's answer) in ``<code>`` and then boxes the interpreter's
+    number; ALFWorld follows the PDDL planner (``AlfWorldEnv(expert=True).expert_plan``); WebShop searches
+    the instruction, opens the target product when it is listed (else the first result), clicks the
+    option values the instruction names and buys. A noisy episode makes one mistake at a turn drawn at
+    random: a wrong number, code with a wrong digit, a random admissible action, a random product or
+    buying without choosing options, so that the demonstrations succeed only sometimes.
+    """
+
+    def __init__(self, env_name: str, env, task: dict[str, Any], noisy: bool, rng: random.Random):
+        self.env_name, self.env, self.task, self.noisy, self.rng = env_name, env, task, noisy, rng
+        self.turn = 0
+        self.clicked_options: set[str] = set()  # WebShop option values chosen on the product page
+        # turns where a mistake changes the outcome (WebShop's first turn is always the search)
+        first, stop = {"math": (0, 1), "retool": (0, 2), "alfworld": (0, 4), "webshop": (1, 3)}[env_name]
+        self.mistake_turn = rng.randrange(first, stop) if noisy else -1
+
+    def act(self, observation: str) -> str:
+        wrong = self.turn == self.mistake_turn
+        action = getattr(self, f"_{self.env_name}")(observation, wrong)
+        self.turn += 1
+        return action
+
+    def _math(self, observation: str, wrong: bool) -> str:
+        answer = str(self.task["answer"]).strip()
+        return f"\\boxed{{{_wrong_number(self.rng, answer) if wrong else answer}}}"
+
+    def _retool(self, observation: str, wrong: bool) -> str:
+        if self.turn == 0:
+            expression = str(self.task.get("expression") or str(self.task["answer"]).strip())
+            if wrong and self.rng.random() < 0.5:  # answer without the tool, from "mental arithmetic"
+                return f"\\boxed{{{_wrong_number(self.rng, str(self.task['answer']).strip())}}}"
+            return _retool_code(_perturbed_expression(self.rng, expression) if wrong else expression)
+        match = _INTERPRETER_INT.search(observation)
+        value = match.group(1) if match else _wrong_number(self.rng, str(self.task["answer"]).strip())
+        return f"The result is \\boxed{{{_wrong_number(self.rng, value) if wrong else value}}}."
+
+    def _alfworld(self, observation: str, wrong: bool) -> str:
+        plan = self.env.expert_plan
+        choice = plan[0] if plan else "look"
+        if wrong:
+            others = [a for a in self.env.admissible_actions if a != choice]
+            choice = self.rng.choice(others) if others else choice
+        return f"<action>{choice}</action>"
+
+    def _webshop(self, observation: str, wrong: bool) -> str:
+        actions = self.env.admissible_actions
+        clicks = [a[len("click["):-1] for a in actions if a.startswith("click[")]
+        if any(a.startswith("search[") for a in actions):
+            return f"<action>search[{self.env.instruction}]</action>"
+        if "buy now" in clicks:  # a product page: choose the options the instruction names, then buy
+            instruction = (self.env.instruction or "").lower()
+            navigation = {"back to search", "< prev", "description", "features", "reviews", "buy now"}
+            for value in clicks:
+                if (value not in navigation and value not in self.clicked_options and not wrong
+                        and _names_phrase(instruction, value)):
+                    self.clicked_options.add(value)
+                    return f"<action>click[{value}]</action>"
+            return "<action>click[buy now]</action>"
+        products = [c for c in clicks if re.fullmatch(r"b0[a-z0-9]{8}", c)]
+        target = str(self.task.get("target_asin") or "").lower()
+        if wrong and products:
+            return f"<action>click[{self.rng.choice(products)}]</action>"
+        if target in products:
+            return f"<action>click[{target}]</action>"
+        return f"<action>click[{products[0] if products else 'back to search'}]</action>"
+
+
+def make_task_demonstrations(
+    env_name: str,
+    env,
+    tasks: Sequence[dict[str, Any]],
+    tokenizer,
+    num_demos: int,
+    noise: float,
+    think_tokens_mean: float = TASK_THINK_TOKENS_MEAN,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """``num_demos`` scripted episodes of a real task (:class:`_ScriptedPolicy`), played through ``env``.
+
+    Demonstration ``i`` plays ``tasks[i % len(tasks)]``, so pass *training* records only: the demos use
+    their answers. Each episode is noisy with probability ``noise``. Fields as in
+    :func:`make_noisy_demonstrations`; ``num_code_turns`` counts the ReTool code runs.
+    """
+    if env_name not in TASK_DEMO_ENVS:
+        raise ValueError(f"no scripted demonstrations for env {env_name!r}; valid: {TASK_DEMO_ENVS}")
+    if not tasks:
+        raise ValueError(f"env {env_name!r}: no training tasks to build demonstrations from")
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise must be in [0, 1], got {noise}")
+    rng = random.Random(seed)
+    demos: list[dict[str, Any]] = []
+    for i in range(num_demos):
+        task = tasks[i % len(tasks)]
+        noisy = rng.random() < noise
+        policy = _ScriptedPolicy(env_name, env, task, noisy, rng)
+        messages = [{"role": "user", "content": env.reset(task)}]
+        observation, result, code_turns = messages[0]["content"], None, 0
+        for _ in range(int(getattr(env, "max_turns", 1) or 1)):
+            action = policy.act(observation)
+            text = think_filler(rng, think_tokens_mean) + action if env_name in ("alfworld", "webshop") else action
+            messages.append({"role": "assistant", "content": text})
+            result = env.step(text)
+            code_turns += bool(result.info.get("tool_executed"))
+            if result.done:
+                break
+            observation = result.observation
+            messages.append({"role": "user", "content": observation})
+        if messages[-1]["role"] == "user":
+            messages.pop()  # out of turns without a final message: the last observation carries no loss
+        demo = {"id": task.get("id"), "env": env_name, "messages": messages, "noisy": noisy,
+                "reward": float(result.reward) if result is not None else 0.0,
+                "success": bool(result is not None and result.info.get("success", False)),
+                "num_code_turns": code_turns}
+        demo.update(tokenize_conversation(messages, tokenizer))
+        demos.append(demo)
+    return demos
+
+
+def sft_warm_start_on_tasks(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    env_name: str,
+    tasks: Sequence[dict[str, Any]],
+    env_kwargs: dict[str, Any] | None = None,
+    num_demos: int | None = None,
+    noise: float | None = None,
+    steps: int | None = None,
+    lr: float = DEFAULT_LR,
+    batch_size: int | None = None,
+    seed: int = 0,
+    clean_fraction: float | None = None,
+    warmup_steps: int = 20,
+    log_every: int = 0,
+    num_threads: int | None = 1,
+) -> dict[str, Any]:
+    """Warm start on scripted demonstrations of a real task, the same two-phase SFT as :func:`sft_warm_start`.
+
+    ``tasks`` are the run's *training* records (never an eval split: the demos use their answers);
+    ``env_kwargs`` build the env exactly as the run does (plus ``expert=True`` for ALFWorld's planner).
+    The first ``clean_fraction`` of the steps train on clean versions of the demonstrations, the rest on
+    the noisy ones. None takes :data:`TASK_DEFAULTS`. Writes the model, tokenizer and ``sft_stats.json``
+    (which adds ``demo_reward_mean`` and, for ReTool, ``demo_code_turns_mean``) to ``out_dir``.
+    """
+    from async_rl.envs.base import make_env
+    from async_rl.models.loading import load_causal_lm, load_tokenizer
+
+    if env_name not in TASK_DEMO_ENVS:
+        raise ValueError(f"model.sft: no demonstrations for env {env_name!r}; valid: "
+                         f"{', '.join(TOY_ENV_NAMES + TASK_DEMO_ENVS)} (or set model.sft.enabled=false)")
+    defaults = TASK_DEFAULTS[env_name]
+    noise = defaults["noise"] if noise is None else noise
+    steps = defaults["steps"] if steps is None else steps
+    num_demos = defaults["num_demos"] if num_demos is None else num_demos
+    batch_size = defaults["batch_size"] if batch_size is None else batch_size
+    clean_fraction = defaults["clean_fraction"] if clean_fraction is None else clean_fraction
+    if not 0.0 <= clean_fraction <= 1.0:
+        raise ValueError(f"clean_fraction must be in [0, 1], got {clean_fraction}")
+    if num_demos < 1 or steps < 0 or batch_size < 1:
+        raise ValueError(f"need num_demos >= 1, steps >= 0, batch_size >= 1 (got {num_demos}, {steps}, {batch_size})")
+    started = time.monotonic()
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, dtype="float32")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    kwargs = dict(env_kwargs or {})
+    if env_name == "alfworld":
+        kwargs["expert"] = True
+    env = make_env(env_name, **kwargs)
+    try:
+        demos = make_task_demonstrations(env_name, env, tasks, tokenizer, num_demos, noise, seed=seed * 7919)
+        # clean episodes of a task differ only in their thinking fillers: two per task are enough
+        clean_demos = make_task_demonstrations(env_name, env, tasks, tokenizer,
+                                               min(num_demos, max(4, 2 * len(tasks))), 0.0, seed=seed * 7919 + 1)
+    finally:
+        env.close()
+    clean_steps = int(round(clean_fraction * steps))
+    losses: list[float] = []
+    with _torch_threads(num_threads), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _train(model, [(clean_demos, clean_steps), (demos, steps - clean_steps)], pad_id, lr, batch_size,
+               random.Random(seed), warmup_steps, log_every, losses)
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_path)
+    tokenizer.save_pretrained(out_path)
+    tail = losses[-10:]
+    stats = {
+        "env_names": [env_name], "out_dir": str(out_path), "num_demos": len(demos), "noise": noise,
+        "steps": steps, "clean_steps": clean_steps, "lr": lr, "batch_size": batch_size, "seed": seed,
+        "demo_success_rate": sum(d["success"] for d in demos) / len(demos),
+        "demo_reward_mean": sum(d["reward"] for d in demos) / len(demos),
+        "demo_code_turns_mean": sum(d["num_code_turns"] for d in demos) / len(demos),
+        "mean_demo_tokens": sum(len(d["input_ids"]) for d in demos) / len(demos),
+        "max_demo_tokens": max(len(d["input_ids"]) for d in demos),
+        "mean_assistant_tokens": sum(sum(d["loss_mask"]) for d in demos) / len(demos),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": sum(tail) / len(tail) if tail else None,
+        "losses": losses,
+        "seconds": time.monotonic() - started,
+    }
+    (out_path / "sft_stats.json").write_text(json.dumps(stats, indent=1))
+    return stats
