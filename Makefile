@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install install-envs test demo train plots bench clean aime retool alfworld webshop eval
+.PHONY: install install-envs install-gpu sandbox-deps test demo train plots bench clean aime retool alfworld webshop eval
 
 install: $(STAMP)
 
@@ -17,6 +17,17 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -e ".[test]"
 	touch $(STAMP)
 
+# GPU rollout engines on a CUDA machine: make install-gpu ENGINE=vllm|sglang. verl 0.9.1's own pins decide torch
+# (vllm: torch 2.11.0 CUDA, vllm 0.24.0, transformers 5.9.0); the stamp is refreshed so later targets keep them
+# instead of reinstalling the CPU wheel. flash-attn is optional (see README, GPU section).
+ENGINE ?= vllm
+install-gpu:
+	@case "$(ENGINE)" in vllm|sglang) ;; *) echo "ENGINE=$(ENGINE): valid choices: vllm, sglang" >&2; exit 2;; esac
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --upgrade pip >/dev/null
+	$(VENV)/bin/pip install -e ".[$(ENGINE),test]"
+	touch $(STAMP)
+
 # the real task environments (ALFWorld) on top; `make test` needs them, `make demo` does not
 ENVS_STAMP := $(VENV)/.installed-envs-stamp
 install-envs: $(ENVS_STAMP)
@@ -24,7 +35,13 @@ $(ENVS_STAMP): $(STAMP)
 	$(VENV)/bin/pip install -e ".[test,envs]"
 	touch $(ENVS_STAMP)
 
-test: install-envs
+# ReTool's local code sandbox runs programs under bubblewrap (docs/tasks.md); as root, install it if missing
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	  else echo "bubblewrap (bwrap) is missing: sudo apt-get install bubblewrap (ReTool's sandbox and its tests need it)" >&2; exit 2; fi; }
+
+test: install-envs sandbox-deps
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # Li2SAO in async (in-flight) mode on the embedded multi-turn task: builds the tiny model, warm-starts it
@@ -51,22 +68,32 @@ aime retool webshop: install
 alfworld: install-envs
 	$(PY) -m async_rl.train --config-dir recipes --config-name $@$(RECIPE_SUFFIX) algorithm=$(ALGO) $(ARGS)
 
-# make eval MODEL=outputs/models/... ENV=math ARGS="n_samples=16"
+# make eval                         the model the last run exported, on the env it trained on (both printed)
+# make eval MODEL=outputs/<run>/model ENV=math ARGS="n_samples=16"
+# ENV is passed only when you set it (the default ENV=toy_keys above is train's, not eval's).
 MODEL ?=
+EVAL_ENV = $(if $(filter command line environment environment override,$(origin ENV)),env=$(ENV))
 eval: install
-	$(PY) -m async_rl.eval model_dir=$(MODEL) env=$(ENV) $(ARGS)
+	$(PY) -m async_rl.eval $(if $(MODEL),model_dir=$(MODEL)) $(EVAL_ENV) $(ARGS)
 
-# make plots RUN=outputs/demo-li2sao-toy_keys
+# make plots                        the last run (outputs/last_run.json)
+# make plots RUN=outputs/demo-li2sao-toy_keys   (several: RUN="outputs/a outputs/b" adds comparison.png)
+RUN ?=
 plots: install
 	$(PY) -m async_rl.plots $(RUN)
 
 bench: install
 	$(PY) benchmarks/advantage_kernels.py
 	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/rollout_replicas.py
 	$(PY) benchmarks/sapo_vs_ppo.py
 	$(PY) benchmarks/async_vs_sync.py
+	$(PY) benchmarks/framework_overhead.py
 	$(PY) benchmarks/group_vs_single.py
 	$(PY) benchmarks/algorithms_toy.py
+	$(PY) benchmarks/critic_offline.py
+	$(PY) benchmarks/memory_model.py
+	$(PY) benchmarks/peak_memory.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

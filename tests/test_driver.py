@@ -98,8 +98,8 @@ def test_li2sao_switch_protocol_in_deterministic_mode(tiny_model):
     driver.learner.train_step = spy
     losses = []
     original_update = driver.learner.actor.update
-    driver.learner.actor.update = lambda batch, adv, loss_mode, *a: (losses.append(loss_mode),
-                                                                      original_update(batch, adv, loss_mode, *a))[1]
+    driver.learner.actor.update = lambda batch, adv, loss_mode, *a, **kw: (losses.append(loss_mode),
+                                                                      original_update(batch, adv, loss_mode, *a, **kw))[1]
     driver.run()
     # the kept job (step 4) still trains with the bootstrap loss; single-rollout batches with DIS
     assert losses == ["dis_clip"] * 4 + ["dis"] * 3

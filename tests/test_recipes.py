@@ -1,5 +1,7 @@
-"""Each SIZE=tiny recipe runs end to end on CPU; a full-size recipe stops at once without its GPU."""
+"""Each SIZE=tiny recipe runs end to end on CPU and goes through every phase it stands for; a full-size recipe
+stops at once without its GPU."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,23 +11,50 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"aime": "li2sao", "retool": "lisao", "webshop": "sapo", "alfworld": "sapo"}
+# the phases each tiny recipe stands for (async_rl.run_summary.phase_report), all of which must happen
+EXPECTED_PHASES = {
+    "aime": {"reward", "actor_updates", "critic_updates", "li2sao_switch"},
+    "retool": {"reward", "actor_updates", "multi_turn", "tool_calls", "critic_updates"},
+    "alfworld": {"reward", "actor_updates", "multi_turn", "sapo_value_losses"},
+    "webshop": {"reward", "actor_updates", "multi_turn", "sapo_value_losses"},
+}
+FORCED_SWITCH_NOTE = "Li2SAO's switch was forced at T_max"
 
 
 def _train(*args, cwd=ROOT, hide_gpu=False):
-    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": "1"}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # a machine without a GPU, also where one is present
     return subprocess.run([sys.executable, "-m", "async_rl.train", "--config-dir", str(ROOT / "recipes"), *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+                          cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", sorted(TINY))
-def test_tiny_recipe_runs(task, tmp_path):
+def test_tiny_recipe_goes_through_every_phase(task, tmp_path):
     out = _train("--config-name", f"{task}_tiny", f"algorithm={TINY[task]}", "trainer.wandb=false",
                  f"trainer.output_dir={tmp_path}", f"model.dir={tmp_path}/model")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "steps: 3" in out.stdout
-    assert (tmp_path / f"{task}-tiny-{TINY[task]}" / "metrics.jsonl").exists()
+    run_dir = tmp_path / f"{task}-tiny-{TINY[task]}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    phases = summary["phases"]
+    assert EXPECTED_PHASES[task] <= set(phases), phases
+    assert not [name for name, info in phases.items() if not info["ran"]], (phases, out.stdout[-3000:])
+    assert phases["reward"]["steps_with_reward"] >= 1
+    rewards = [json.loads(line).get("train/reward_mean", 0.0) for line in (run_dir / "metrics.jsonl").open()]
+    assert max(rewards) > 0
+    # the only warning a tiny run may print says how Li2SAO switched: forced at T_max, not on evidence
+    assert all(w.startswith(FORCED_SWITCH_NOTE) for w in summary["warnings"]), summary["warnings"]
+    if task == "aime":
+        switch = phases["li2sao_switch"]
+        assert 1 <= switch["step"] <= summary["steps"]
+        assert (FORCED_SWITCH_NOTE in out.stdout) == (switch["gate_opened_on_evidence"] is False)
+    # the warm start used the task's own demonstrations, and they succeed only sometimes
+    stats = json.loads((tmp_path / "model" / "sft" / "sft_stats.json").read_text())
+    assert stats["env_names"] == [{"aime": "math"}.get(task, task)]
+    assert 0.0 < stats["demo_success_rate"] < 1.0
+    if task == "retool":
+        assert phases["tool_calls"]["count"] > 0 and stats["demo_code_turns_mean"] > 0.5
 
 
 def test_full_recipe_without_gpu_names_the_tiny_variant():

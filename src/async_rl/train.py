@@ -2,7 +2,10 @@
 
 Recipe, top to bottom: validate every config (before any model loads) -> prepare the model (build the
 tiny model and warm-start it when asked) -> build actor, critic, rollout engine and driver -> run with a
-progress bar -> summary, metrics.jsonl, plots and an offline wandb run under ``outputs/<run_name>/``.
+progress bar (plain lines in logs: :class:`ProgressLines`) -> the trained policy exported as a Hugging Face
+model (``model/``, :func:`export_trained_policy`; ``outputs/last_run.json`` points at it) -> summary,
+metrics.jsonl, plots and an offline wandb run, all under ``outputs/<run_name>/`` (Hydra's ``train.log`` too:
+:data:`RUN_DIR_OVERRIDES`).
 """
 
 from __future__ import annotations
@@ -10,15 +13,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from async_rl.config import algorithm_config_from_dict
+from async_rl.config import AlgorithmConfig, algorithm_config_from_dict
+from async_rl.driver.checkpoint import CheckpointError, list_checkpoints
 from async_rl.driver.driver import DriverConfig
 from async_rl.driver.episode import EpisodeLimits
+from async_rl.rollout.client import ReplicaSettings
+from async_rl.validation import (SEED_RULE, ConfigError, check_env, check_model, check_trainer, check_value,
+                                 first_line)
 
 REPO_CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -50,15 +59,21 @@ def check_machine(cfg: DictConfig) -> None:
             f"(or set MODEL_DIR), or use model=tiny to build a small one locally.{hint}")
 
 
-def prepare_model(model_cfg: DictConfig, env_name: str, seed: int) -> str:
-    """Return the directory of the policy checkpoint, building and warm-starting a tiny one if asked."""
+def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: DictConfig | None = None,
+                  tasks: list[dict[str, Any]] | None = None) -> str:
+    """Return the directory of the policy checkpoint, building and warm-starting a tiny one if asked.
+
+    Toy envs warm-start on their generated demonstrations; math/retool/alfworld/webshop on scripted
+    episodes of the run's own training ``tasks``, played in the env built from ``env_cfg``
+    (:func:`async_rl.models.sft.sft_warm_start_on_tasks`)."""
     target = Path(model_cfg.dir)
     if model_cfg.build_tiny:
         base = target / "base"
         if not (base / "config.json").exists():
             from async_rl.models.tiny import make_tiny_model
 
-            make_tiny_model(base, hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, seed=seed)
+            make_tiny_model(base, hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, seed=seed,
+                            max_position_embeddings=int(model_cfg.get("max_position_embeddings") or 1024))
         source = base
     else:
         source = target
@@ -71,10 +86,14 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int) -> str:
         return str(source)
     warm = target / "sft"
     if not (warm / "config.json").exists():
-        from async_rl.models.sft import sft_warm_start
+        from async_rl.models.sft import TASK_DEMO_ENVS, sft_warm_start, sft_warm_start_on_tasks
 
-        stats = sft_warm_start(source, warm, env_name=env_name, noise=model_cfg.sft.noise, steps=model_cfg.sft.steps,
-                               seed=seed)
+        if env_name in TASK_DEMO_ENVS and env_cfg is not None and tasks is not None:
+            stats = sft_warm_start_on_tasks(source, warm, env_name, tasks, env_kwargs(env_cfg),
+                                            noise=model_cfg.sft.noise, steps=model_cfg.sft.steps, seed=seed)
+        else:
+            stats = sft_warm_start(source, warm, env_name=env_name, noise=model_cfg.sft.noise,
+                                   steps=model_cfg.sft.steps, seed=seed)
         print(f"SFT warm start: {json.dumps({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
     return str(warm)
 
@@ -116,7 +135,9 @@ def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
 
         return dict(retool_env_kwargs(env_cfg))
     if env_cfg.name == "math":
-        return {"verify_timeout_s": float(env_cfg.verify_timeout_s)}
+        from async_rl.envs.math_env import math_env_kwargs
+
+        return math_env_kwargs(env_cfg)
     if env_cfg.name == "alfworld":
         from async_rl.envs.alfworld_env import alfworld_env_kwargs
 
@@ -127,7 +148,9 @@ def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
 TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld")
 
 
-def summarize(history: list[dict], driver) -> dict[str, Any]:
+def summarize(history: list[dict], driver, env_name: str = "") -> dict[str, Any]:
+    from async_rl.run_summary import phase_report
+
     n = len(history)
     tenth = max(n // 10, 1)
 
@@ -149,24 +172,141 @@ def summarize(history: list[dict], driver) -> dict[str, Any]:
         "dropped_stale": driver.buffer.counters.dropped_stale,
         "aborted": driver.buffer.counters.aborted,
         "wall_s": history[-1].get("perf/wall_s") if history else None,
+        # which phases of the algorithm and task happened, and a warning for each one that did not
+        **phase_report(history, driver.learner.cfg.name, env_name, driver.stats.switch_step,
+                       bool(driver.learner.gate.forced) if getattr(driver.learner, "gate", None) is not None
+                       else None),
     }
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    # ---- validate everything before any model or worker starts ---------------------------------------
-    algo = algorithm_config_from_dict(OmegaConf.to_container(cfg.algorithm, resolve=True))
-    driver_cfg = DriverConfig(**OmegaConf.to_container(cfg.trainer.driver, resolve=True))
+class ProgressLines:
+    """Progress lines for logs, where the tqdm bar is off (stdout or stderr is not a terminal).
+
+    A line is due on the first and the last step, every ``every_steps`` steps, and on any step that ends
+    ``every_s`` seconds or more after the previous line: a fast run (toy tasks, ~0.1 s a step) prints
+    every 10 steps, a slow one (ALFWorld, ~15 s a step) every step, so a log never goes quiet for long.
+    """
+
+    def __init__(self, total_steps: int, every_s: float = 10.0, every_steps: int = 10, clock=time.monotonic):
+        self.total_steps = int(total_steps)
+        self.every_s = float(every_s)
+        self.every_steps = int(every_steps)
+        self.clock = clock
+        self.started = clock()
+        self.last_line_at: float | None = None
+        self.first_step: int | None = None
+
+    def due(self, step: int) -> bool:
+        now = self.clock()
+        if self.first_step is None:
+            self.first_step = step
+        due = (self.last_line_at is None or step >= self.total_steps or step % self.every_steps == 0
+               or now - self.last_line_at >= self.every_s)
+        if due:
+            self.last_line_at = now
+        return due
+
+    def line(self, step: int, metrics: dict) -> str:
+        elapsed = self.clock() - self.started
+        # steps this process ran (a resumed run starts at its checkpoint's step; unknown: from step 1)
+        done = max(step - (self.first_step - 1 if self.first_step is not None else 0), 1)
+        per_step = elapsed / done
+        eta = per_step * max(self.total_steps - step, 0)
+        return (f"step {step}/{self.total_steps} acc {metrics.get('train/success_rate', 0):.2f} "
+                f"reward {metrics.get('train/reward_mean', 0):.2f} lag {metrics.get('async/policy_lag/mean', 0):.2f} "
+                f"| {per_step:.1f} s/step, elapsed {elapsed:.0f} s, eta {eta:.0f} s")
+
+
+def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_dir: Path, steps: int) -> Path:
+    """The trained policy as a Hugging Face model in ``<run_dir>/model`` (``async_rl.models.export``);
+    ``<trainer.output_dir>/last_run.json`` then points at it. SAPO's reserved value ids go with it."""
+    from async_rl.models.export import export_run_policy
+
+    actor = driver.learner.actor
+    reserved = None
+    if algo.name == "sapo":
+        reserved = getattr(actor, "reserved_ids", None)
+        if reserved is None:  # a remote SAPO actor: the ids follow from the tokenizer, as in its workers
+            from async_rl.models.loading import load_tokenizer
+            from async_rl.workers.sapo import resolve_reserved_ids
+
+            reserved = resolve_reserved_ids(load_tokenizer(model_path), list(algo.sapo_reserved_tokens))
+    info = {"algorithm": algo.name, "env": cfg.env.name, "step": int(driver.learner.step), "run_name":
+            cfg.trainer.run_name, "base_model": str(model_path), "trained_steps_this_process": int(steps)}
+    if reserved is not None:
+        info.update(sapo_tau_v=float(algo.sapo_tau_v), sapo_r_max=float(algo.sapo_r_max))
+    model_dir = export_run_policy(actor, model_path, run_dir, cfg.trainer.output_dir, info, reserved_ids=reserved)
+    print(f"exported the trained policy to {model_dir} (evaluate it: make eval MODEL={model_dir})")
+    return model_dir
+
+
+@dataclass
+class CheckedRun:
+    """What :func:`check_run_config` established: the built configs and the device to run on."""
+
+    algo: AlgorithmConfig
+    driver_cfg: DriverConfig
+    device: str
+
+
+def check_run_config(cfg: DictConfig) -> CheckedRun:
+    """Type- and range-check every config value (``async_rl.validation``), their combinations and the
+    machine (GPU, model files), loading and writing nothing. A bad value raises
+    :class:`~async_rl.validation.ConfigError` with one line naming the key, the value and what is allowed
+    (``FileNotFoundError`` / ``RuntimeError`` from :func:`check_machine`); the CLI prints it as
+    ``error: <message>`` and exits with status 2."""
+    try:
+        groups = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("algorithm", "env", "model",
+                                                                                      "trainer")}
+        seed = cfg.get("seed", 0)
+    except OmegaConfBaseException as err:  # a missing group, an unresolvable ${...} or ${oc.env:...}
+        raise ConfigError(first_line(err)) from err
+    for name, values in groups.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{name}={values!r}: must be a config group (choose {name}=<name>)")
+    algo = algorithm_config_from_dict(groups["algorithm"])
+    trainer = check_trainer(groups["trainer"])
+    driver_cfg = DriverConfig.from_dict(trainer.get("driver", {}))
     driver_cfg.validate(algo.train_batch_trajectories)
-    if cfg.trainer.scheduler not in ("deterministic", "concurrent"):
-        raise ValueError(f"trainer.scheduler={cfg.trainer.scheduler!r}; valid choices: deterministic, concurrent")
-    if cfg.trainer.scheduler == "concurrent" and (cfg.trainer.resume or driver_cfg.checkpoint_every):
-        raise ValueError("checkpoint/resume is supported by scheduler=deterministic only")
-    if cfg.trainer.workers not in ("local", "ray"):
-        raise ValueError(f"trainer.workers={cfg.trainer.workers!r}; valid choices: local, ray")
-    if cfg.trainer.workers == "ray" and (cfg.trainer.resume or driver_cfg.checkpoint_every):
-        raise ValueError("checkpoint/resume needs trainer.workers=local for now")
+    checked = {"env": check_env(groups["env"]), "model": check_model(groups["model"]), "trainer": trainer}
+    # the rest of the run reads cfg: store the normalised values back (1e3 given for an int is 1000, an
+    # int given for a float becomes a float); trainer.driver is read from driver_cfg
+    given = {f"{g}.{k}": v for g in checked for k, v in groups[g].items() if k != "driver"}
+    given["seed"] = seed
+    normalised = {f"{g}.{k}": v for g in checked for k, v in checked[g].items() if k != "driver"}
+    normalised["seed"] = check_value("seed", seed, SEED_RULE)
+    for key, value in normalised.items():
+        if repr(value) != repr(given.get(key)):  # repr: 100 and 100.0 differ, also inside model.sft
+            OmegaConf.update(cfg, key, value, merge=False)
+    checkpointing = bool(trainer.get("resume", False) or driver_cfg.checkpoint_every)
+    if trainer.get("scheduler", "deterministic") == "concurrent" and checkpointing:
+        raise ConfigError("trainer.scheduler=concurrent: checkpoint/resume (trainer.resume, "
+                          "trainer.driver.checkpoint_every) needs trainer.scheduler=deterministic")
+    try:  # rollout replicas (conf/rollout/default.yaml), used by trainer.workers=ray
+        ReplicaSettings.from_config(cfg.get("rollout"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    checkpoints = Path(trainer.get("output_dir", "outputs")) / trainer.get("run_name", "run") / "checkpoints"
+    if not trainer.get("resume", False) and driver_cfg.checkpoint_every and list_checkpoints(checkpoints):
+        # a fresh run would mix its checkpoints with the earlier run's (and pruning would keep the wrong ones)
+        raise ConfigError(f"trainer.resume=false: {checkpoints} holds checkpoints of an earlier run; set "
+                          "trainer.resume=true to continue it, or another trainer.run_name (or move that "
+                          "directory away) to start over")
     check_machine(cfg)
-    device = _resolve_device(cfg.trainer.device)
+    device = _resolve_device(trainer.get("device", "auto"))
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda: no CUDA GPU is visible (torch.cuda.is_available() is False); "
+                              "use trainer.device=cpu or trainer.device=auto")
+    return CheckedRun(algo, driver_cfg, device)
+
+
+def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
+    # ---- validate everything before any model or worker starts ---------------------------------------
+    checked = checked or check_run_config(cfg)
+    algo, driver_cfg, device = checked.algo, checked.driver_cfg, checked.device
     if device == "cpu" and cfg.trainer.torch_threads:
         import torch
 
@@ -174,27 +314,34 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     import async_rl.envs.toy  # noqa: F401  (registers the embedded envs)
     from async_rl.driver.build import RunSpec, build_concurrent_driver, build_deterministic_driver
+    from async_rl.engine.settings import TrainingSettings
     from async_rl.plots import plot_run
     from async_rl.tracking import RunLogger
 
-    model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed)
+    tasks = make_tasks(cfg.env, cfg.seed)  # data files are read (and fail) before the model is built
+    model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks)
     spec = RunSpec(
         model_path=model_path, env_name=cfg.env.name, env_kwargs=env_kwargs(cfg.env),
-        tasks=make_tasks(cfg.env, cfg.seed), seed=cfg.seed,
+        tasks=tasks, seed=cfg.seed,
         temperature=cfg.trainer.temperature, top_p=cfg.trainer.top_p, max_new_tokens=cfg.env.max_new_tokens,
         limits=EpisodeLimits(cfg.env.max_turns, cfg.env.max_response_tokens, cfg.env.env_timeout_s,
                              overlong_penalty=algo.overlong_penalty),
         stop_strings=tuple(cfg.env.get("stop_strings") or ()),
         max_grad_norm=cfg.trainer.max_grad_norm, micro_batch_size=cfg.trainer.micro_batch_size, device=device,
+        training=TrainingSettings(precision=cfg.trainer.precision,
+                                  max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
+                                  activation_checkpointing=cfg.trainer.activation_checkpointing).validate(),
         workers=cfg.trainer.workers, train_workers=cfg.trainer.train_workers,
+        rollout=ReplicaSettings.from_config(cfg.get("rollout")),
     )
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
-    logger = RunLogger(run_dir, cfg.trainer.project, cfg.trainer.run_name,
-                       OmegaConf.to_container(cfg, resolve=True), use_wandb=cfg.trainer.wandb)
+    logger = None  # opened once a resume has succeeded: a failed resume leaves metrics.jsonl as it was
     from tqdm import tqdm
 
     bar = tqdm(total=driver_cfg.total_steps, desc=f"{algo.name} on {cfg.env.name}", unit="step",
                disable=None if sys.stderr.isatty() else True, dynamic_ncols=True)
+    # logs (stdout redirected, CI, `| tee`) get plain lines instead of the bar: see ProgressLines
+    progress = ProgressLines(driver_cfg.total_steps) if bar.disable or not sys.stdout.isatty() else None
 
     def on_step(metrics: dict) -> None:
         step = int(metrics["trainer/step"])
@@ -202,11 +349,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         bar.update(1)
         bar.set_postfix(acc=f"{metrics.get('train/success_rate', 0):.2f}",
                         lag=f"{metrics.get('async/policy_lag/mean', 0):.2f}", n=int(metrics.get("async/group_size", 0)))
-        if not bar.disable:
-            return
-        if step % 10 == 0 or step == driver_cfg.total_steps:  # quiet, periodic lines in CI logs
-            print(f"step {step}/{driver_cfg.total_steps} acc {metrics.get('train/success_rate', 0):.2f} "
-                  f"lag {metrics.get('async/policy_lag/mean', 0):.2f}", flush=True)
+        if progress is not None and progress.due(step):
+            print(progress.line(step, metrics), flush=True)
 
     started = time.perf_counter()
     try:
@@ -215,13 +359,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         else:
             driver = build_deterministic_driver(algo, driver_cfg, spec, on_step=on_step,
                                                 checkpoint_dir=run_dir / "checkpoints")
-        if cfg.trainer.resume and driver.resume():
-            print(f"resumed from {run_dir / 'checkpoints'} at step {driver.learner.step}")
+        if cfg.trainer.get("export_model", True) and hasattr(driver, "on_checkpoint"):
+            # every checkpoint also refreshes outputs/<run>/model, so a run stopped early has a model to evaluate
+            driver.on_checkpoint = lambda path: export_trained_policy(cfg, algo, driver, model_path, run_dir,
+                                                                      int(driver.learner.step))
+        resumed = bool(cfg.trainer.resume) and driver.resume()  # falls back past a damaged newest checkpoint
+        if resumed:
+            print(f"resumed from {driver.resumed_from} at step {driver.learner.step}", flush=True)
             bar.update(driver.learner.step)
+        elif cfg.trainer.resume:
+            print(f"trainer.resume=true: no checkpoint in {run_dir / 'checkpoints'}; starting at step 1", flush=True)
+        # resumed: metrics.jsonl keeps steps 1..step, drops later rows (redone now) and appends from step + 1
+        logger = RunLogger(run_dir, cfg.trainer.project, cfg.trainer.run_name,
+                           OmegaConf.to_container(cfg, resolve=True), use_wandb=cfg.trainer.wandb,
+                           resume_step=driver.learner.step if resumed else None, history=driver.history)
         history = driver.run()
         bar.close()
-        summary = summarize(history, driver)
+        summary = summarize(history, driver, cfg.env.name)
         summary["total_wall_s"] = time.perf_counter() - started
+        if cfg.trainer.get("export_model", True):  # outputs/<run>/model + outputs/last_run.json (make eval)
+            summary["model_dir"] = str(export_trained_policy(cfg, algo, driver, model_path, run_dir, len(history)))
         logger.log_summary(summary)
         if driver.stats.switch_step is not None:  # where Li2SAO left the group bootstrap, as a wandb Table
             gate = driver.learner.gate
@@ -232,7 +389,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         summary["wandb_dir"] = logger.wandb_dir()
     finally:
         # close explicitly: leaving wandb to interpreter teardown can hang the process after an error
-        logger.close(failed=sys.exc_info()[0] is not None)
+        if logger is not None:
+            logger.close(failed=sys.exc_info()[0] is not None)
         groups = getattr(getattr(locals().get("driver"), "learner", None), "actor", None)
         if getattr(groups, "worker_groups", None) is not None:
             import ray
@@ -242,13 +400,51 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n== summary ==")
     for key, value in summary.items():
+        if key in ("phases", "warnings"):
+            continue
         print(f"{key:>28}: {value:.4f}" if isinstance(value, float) else f"{key:>28}: {value}")
+    ran = [name for name, info in summary["phases"].items() if info["ran"]]
+    print(f"{'phases that ran':>28}: {', '.join(ran) or 'none'}")
+    for warning in summary["warnings"]:
+        print(f"WARNING: {warning}")
     return summary
 
 
+#: Hydra's own output folder is the run directory, whatever config is the primary one (conf/config.yaml,
+#: conf/demo.yaml or a recipe under --config-dir recipes): no outputs/<date>/<time>/ folders, no .hydra/.
+RUN_DIR_OVERRIDES = {
+    "hydra.run.dir": "${trainer.output_dir}/${trainer.run_name}",
+    "hydra.sweep.dir": "${trainer.output_dir}",
+    "hydra.sweep.subdir": "${trainer.run_name}",
+    "hydra.output_subdir": "null",
+}
+
+
+def with_run_dir_overrides(argv: list[str]) -> list[str]:
+    """``argv`` plus :data:`RUN_DIR_OVERRIDES` for every key the user did not set on the command line."""
+    given = {arg.split("=", 1)[0].lstrip("+~") for arg in argv if "=" in arg}
+    return list(argv) + [f"{key}={value}" for key, value in RUN_DIR_OVERRIDES.items() if key not in given]
+
+
 @hydra.main(config_path=REPO_CONF, config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+def _hydra_main(cfg: DictConfig) -> None:
+    # a bad value is the user's to fix, not a crash: one line, no traceback, exit status 2 (as argparse)
+    try:
+        checked = check_run_config(cfg)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        run(cfg, checked)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The CLI: ``argv`` (default ``sys.argv[1:]``) as Hydra arguments, with the run-directory overrides."""
+    sys.argv = [sys.argv[0], *with_run_dir_overrides(sys.argv[1:] if argv is None else list(argv))]
+    _hydra_main()
 
 
 if __name__ == "__main__":

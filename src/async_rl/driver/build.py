@@ -20,9 +20,11 @@ from async_rl.driver.learner import Learner
 from async_rl.driver.prompts import PromptStream
 from async_rl.driver.rollout_manager import RolloutManager
 from async_rl.engine.base import OptimizerConfig
+from async_rl.engine.settings import TrainingSettings
 from async_rl.envs.base import make_env
 from async_rl.models.loading import load_causal_lm, load_tokenizer
 from async_rl.rollout.base import SamplingParams
+from async_rl.rollout.client import ReplicaSettings
 from async_rl.rollout.hf_engine import HFRolloutEngine
 from async_rl.workers.roles import ActorRole, CriticRole
 
@@ -43,10 +45,14 @@ class RunSpec:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     max_grad_norm: float = 1.0  # actor and critic gradient clipping
     micro_batch_size: Optional[int] = None  # actor forward/backward micro-batch (None = whole batch)
+    # precision, token budget and activation checkpointing of actor, critic and SAPO (docs/engine.md §7)
+    training: TrainingSettings = field(default_factory=TrainingSettings)
     device: str = "cpu"
     workers: str = "local"  # local: actor/critic in this process | ray: verl worker groups on Ray
     train_workers: int = 1  # data-parallel ranks of the actor and critic when workers = ray
-    ray_num_cpus: Optional[int] = None  # logical CPUs for a local Ray instance (None: train_workers + 2)
+    ray_num_cpus: Optional[int] = None  # logical CPUs for a local Ray instance (None: train_workers + replicas + 2)
+    # rollout replicas when workers = ray (the in-driver engine serves workers = local); see docs/rollout.md
+    rollout: ReplicaSettings = field(default_factory=ReplicaSettings)
 
 
 def seed_everything(seed: int) -> None:
@@ -58,36 +64,45 @@ def seed_everything(seed: int) -> None:
 def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Learner, RolloutManager]:
     """Actor (+ critic), the rollout engine with the actor's weights at version 0, env and prompt stream."""
     algo.validate()
+    spec.training.validate()  # before any model loads
     if spec.workers not in ("local", "ray"):
         raise ValueError(f"workers={spec.workers!r}; valid choices: local, ray")
-    if spec.workers == "ray" and algo.name == "sapo":
-        raise ValueError("algorithm=sapo runs with workers=local for now (its role has no Ray worker yet)")
     seed_everything(spec.seed)
     tokenizer = load_tokenizer(spec.model_path)
     critic = None
     actor_optim = OptimizerConfig(lr=algo.actor_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0)
     banned: tuple[int, ...] = ()
-    if algo.name == "sapo":
+    if algo.name == "sapo" and spec.workers == "ray":
+        # the same backbone as SapoWorker ranks (FSDP); their reserved ids are banned on the rollout replicas
+        actor, _ = _ray_trainers(algo, spec, actor_optim)
+        banned = tuple(actor.banned_token_ids)
+    elif algo.name == "sapo":
         # one backbone for policy, V and Q; the two reserved ids are never sampled (spec §5)
         from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
 
         reserved = resolve_reserved_ids(tokenizer, list(algo.sapo_reserved_tokens))
         actor = SapoRole(load_causal_lm(spec.model_path, device=spec.device), actor_optim, reserved_ids=reserved,
                          tau_v=algo.sapo_tau_v, r_max=algo.sapo_r_max, temperature=spec.temperature,
-                         micro_batch_size=spec.micro_batch_size, kl_coef=algo.sapo_kl_coef)
+                         micro_batch_size=spec.micro_batch_size, kl_coef=algo.sapo_kl_coef,
+                         **spec.training.role_kwargs())
         banned = tuple(actor.banned_token_ids)
     elif spec.workers == "ray":
         actor, critic = _ray_trainers(algo, spec, actor_optim)
     else:
         actor = ActorRole(load_causal_lm(spec.model_path, device=spec.device), actor_optim,
-                          temperature=spec.temperature, micro_batch_size=spec.micro_batch_size)
+                          temperature=spec.temperature, micro_batch_size=spec.micro_batch_size,
+                          **spec.training.role_kwargs())
     if spec.workers == "local" and algo.use_critic:
         critic = CriticRole(load_causal_lm(spec.model_path, device=spec.device),
                             OptimizerConfig(lr=algo.critic_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0),
-                            freeze_attention=algo.freeze_critic_attention)
-    # the rollout engine gets its own copy of the weights (a disaggregated placement in one process)
-    engine = HFRolloutEngine(load_causal_lm(spec.model_path, device=spec.device), tokenizer, device=spec.device)
-    engine.update_weights(actor.export_weights(), 0)
+                            freeze_attention=algo.freeze_critic_attention, **spec.training.role_kwargs())
+    if spec.workers == "ray":
+        # rollout replicas in their own processes, streamed to by the driver (async_rl.rollout.client)
+        engine = _rollout_replicas(spec, actor)
+    else:
+        # the rollout engine gets its own copy of the weights (a disaggregated placement in one process)
+        engine = HFRolloutEngine(load_causal_lm(spec.model_path, device=spec.device), tokenizer, device=spec.device)
+        engine.update_weights(actor.export_weights(), 0)
     if engine.max_positions is not None and spec.limits.max_context_tokens is None:
         spec.limits = dataclasses.replace(spec.limits, max_context_tokens=int(engine.max_positions))
     formatter = ChatFormatter(tokenizer)
@@ -105,23 +120,74 @@ def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Lea
 
 
 def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerConfig):
-    """Actor (and critic) as verl worker groups on Ray; the rollout engine stays in the driver process.
+    """Actor (and critic) as verl worker groups on Ray (the rollout replicas are started by _rollout_replicas).
 
-    Returns driver-side adapters with the same methods as :class:`ActorRole` / :class:`CriticRole`.
+    Returns driver-side adapters with the same methods as :class:`ActorRole` / :class:`CriticRole`; for
+    ``algorithm=sapo`` a :class:`~async_rl.workers.verl_workers.RemoteSapo` (the methods of
+    :class:`~async_rl.workers.sapo.SapoRole`) over SapoWorker ranks, and no critic (V and Q are read from the
+    policy's own backbone, spec §5).
     """
     from async_rl.workers.placement import ensure_ray, make_worker_groups
 
-    ensure_ray(num_cpus=spec.ray_num_cpus or spec.train_workers + 2, log_to_driver=False)
+    spec.rollout.validate()  # before any worker starts
+    ensure_ray(num_cpus=spec.ray_num_cpus or spec.train_workers + _replica_cpus(spec) + 2, log_to_driver=False)
     critic_optim = OptimizerConfig(lr=algo.critic_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0)
+    sapo = algo.name == "sapo"
+    actor_kwargs = {"optim": actor_optim, "temperature": spec.temperature, "micro_batch_size": spec.micro_batch_size,
+                    "training": spec.training}
+    if sapo:  # every rank resolves the same reserved ids from the checkpoint's tokenizer (SapoWorker.init_model)
+        actor_kwargs.update(reserved=list(algo.sapo_reserved_tokens), tau_v=algo.sapo_tau_v, r_max=algo.sapo_r_max,
+                            kl_coef=algo.sapo_kl_coef)
     groups = make_worker_groups(
         "disaggregated", spec.train_workers, 0, spec.model_path,
-        actor_kwargs={"optim": actor_optim, "temperature": spec.temperature, "micro_batch_size": spec.micro_batch_size},
-        critic_kwargs={"optim": critic_optim, "freeze_attention": algo.freeze_critic_attention},
-        with_critic=algo.use_critic,
+        actor_kwargs=actor_kwargs,
+        critic_kwargs={"optim": critic_optim, "freeze_attention": algo.freeze_critic_attention,
+                       "training": spec.training},
+        with_critic=algo.use_critic and not sapo, actor_worker="sapo" if sapo else "actor",
+        use_gpu=spec.device == "cuda",  # trainer.device=cpu keeps GPUs for rollout
     )
-    actor = groups.remote_actor()
+    try:
+        actor = groups.remote_sapo() if sapo else groups.remote_actor()
+    except BaseException:
+        groups.shutdown()
+        raise
     actor.worker_groups = groups  # kept alive with the actor; shut down by the caller (see train.py)
     return actor, groups.remote_critic()
+
+
+def _replica_cpus(spec: RunSpec) -> int:
+    import math
+
+    return math.ceil(float(spec.rollout.cpus_per_replica) * int(spec.rollout.replicas))
+
+
+def _rollout_replicas(spec: RunSpec, actor):
+    """``spec.rollout.replicas`` replicas of ``spec.rollout.engine`` (verl's registry) behind a ReplicaPool, given the
+    actor's current weights as version 0. The pool is shut down with the actor's worker groups."""
+    import os
+
+    from transformers import AutoConfig
+
+    from async_rl.rollout.client import ReplicaPool, launch_replicas
+
+    model_config = AutoConfig.from_pretrained(spec.model_path)
+    settings = spec.rollout
+    settings.validate()
+    replicas = launch_replicas(settings.engine, int(settings.replicas), spec.model_path, device=spec.device,
+                               torch_threads=torch.get_num_threads() if spec.device == "cpu" else None,
+                               chunk_tokens=int(settings.chunk_tokens), num_cpus=float(settings.cpus_per_replica))
+    pool = ReplicaPool(replicas, settings.engine, on_replica_failure=settings.on_replica_failure,
+                       health_timeout_s=float(settings.health_timeout_s),
+                       vocab_size=getattr(model_config, "vocab_size", None))
+    groups = getattr(actor, "worker_groups", None)
+    if groups is not None:
+        groups.rollout_pool = pool  # WorkerGroups.shutdown() stops the replicas too
+    pool.max_positions = getattr(model_config, "max_position_embeddings", None)
+    if settings.engine == "hf":  # vLLM/SGLang load the same checkpoint; their updates go through verl's engines
+        pool.update_weights(actor.publish_weights(0), 0)
+    print(f"rollout: {len(replicas)} {settings.engine} replica(s), pids {pool.pids} (driver pid {os.getpid()})",
+          flush=True)
+    return pool
 
 
 def build_deterministic_driver(algo: AlgorithmConfig, driver_cfg: DriverConfig, spec: RunSpec, on_step=None,

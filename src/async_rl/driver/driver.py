@@ -18,7 +18,6 @@ Switch protocol (Li2SAO, spec §4), when the gate opens after training step k:
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ import numpy as np
 import torch
 
 from async_rl.driver.buffer import TrajectoryBuffer
+from async_rl.driver.checkpoint import (CheckpointError, load_newest_good, prune_checkpoints, read_checkpoint,
+                                       write_checkpoint)
 from async_rl.driver.learner import Learner
 from async_rl.driver.rollout_manager import RolloutManager
 from async_rl.driver.trajectory import Trajectory
@@ -43,19 +44,37 @@ class DriverConfig:
     chunk_tokens: int = 8  # tokens generated per scheduler tick (weights can change between chunks)
     update_ticks: int = 4  # deterministic scheduler: simulated duration of one trainer update, in ticks
     checkpoint_every: int = 0  # save a checkpoint every this many steps (0 = never)
+    keep_last: int = 3  # checkpoints kept on disk (older ones are deleted); >= 2 leaves one to fall back to
     synchronous: bool = False  # colocated synchronous baseline: generate one batch, train, publish, repeat
 
+    # allowed range of every numeric field (types come from the annotations above)
+    RANGES = {
+        "total_steps": ">= 1",
+        "staleness_cap": ">= 0",  # 0 = strictly on-policy
+        "max_inflight_trajectories": ">= 1",
+        "buffer_capacity": ">= 1",
+        "chunk_tokens": ">= 1",
+        "update_ticks": ">= 0",
+        "checkpoint_every": ">= 0",
+        "keep_last": ">= 1",
+    }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DriverConfig":
+        """From a plain dict (the resolved ``trainer.driver`` node); unknown keys fail with the valid ones."""
+        from async_rl.validation import dataclass_from_mapping
+
+        return dataclass_from_mapping(cls, data, "trainer.driver")
+
     def validate(self, batch_size: int) -> None:
-        if self.total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
-        if self.staleness_cap < 0:
-            raise ValueError(f"staleness_cap must be >= 0 (0 = strictly on-policy), got {self.staleness_cap}")
-        if self.chunk_tokens < 1 or self.update_ticks < 0:
-            raise ValueError("chunk_tokens must be >= 1 and update_ticks >= 0")
-        if self.max_inflight_trajectories is not None and self.max_inflight_trajectories < 1:
-            raise ValueError("max_inflight_trajectories must be >= 1")
+        """Types and ranges of every field (one line naming ``trainer.driver.<key>``, the value and what is
+        allowed), then the capacities against one batch of ``batch_size`` trajectories."""
+        from async_rl.validation import ConfigError, check_dataclass
+
+        check_dataclass(self, "trainer.driver", self.RANGES)
         if self.buffer_capacity is not None and self.buffer_capacity < batch_size:
-            raise ValueError(f"buffer_capacity ({self.buffer_capacity}) must hold at least one batch ({batch_size})")
+            raise ConfigError(f"trainer.driver.buffer_capacity={self.buffer_capacity}: must hold at least one "
+                              f"batch ({batch_size} trajectories)")
 
 
 def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
@@ -117,6 +136,8 @@ class DeterministicDriver:
         self.rollout.group_size = algo.group_size
         self.on_step = on_step
         self.checkpoint_dir = checkpoint_dir
+        # called with the checkpoint's path after each save (train.py exports the policy as a model there)
+        self.on_checkpoint: Optional[Callable[[Path], None]] = None
         self._target = cfg.total_steps
         self.clock = 0
         self.publish: Optional[_Publish] = None
@@ -125,6 +146,7 @@ class DeterministicDriver:
         self._last_bootstrap = False
         self.stats = RunStats()
         self.history: list[dict] = []
+        self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
 
     # ------------------------------------------------------------------ main loop
     def run(self, until_step: Optional[int] = None) -> list[dict]:
@@ -139,6 +161,7 @@ class DeterministicDriver:
             if published and self.checkpoint_dir and self.cfg.checkpoint_every and \
                     self.learner.step % self.cfg.checkpoint_every == 0:
                 self.save_checkpoint()
+        self.rollout.release_env_threads()  # idle env workers exit; a later run() starts new ones
         return self.history
 
     def _tick(self) -> tuple[bool, bool]:
@@ -218,7 +241,8 @@ class DeterministicDriver:
         self.kept_groups = set(state["kept_groups"])
         for key, value in state["stats"].items():
             setattr(self.stats, key, value)
-        self.learner.load_state_dict(state["learner"])
+        shards = state.get("shards") or {}
+        self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
         self.buffer.load_state_dict(state["buffer"])
         # the rollout runs the published weights: the learner's, at the checkpoint
         self.rollout.engine.update_weights(self.learner.actor.export_weights(), state["engine_version"])
@@ -230,27 +254,45 @@ class DeterministicDriver:
         np.random.set_state(state["rng"]["numpy"])
 
     def save_checkpoint(self) -> Path:
-        """Atomic: written to a temporary file, then renamed; ``latest`` is replaced the same way."""
-        directory = Path(self.checkpoint_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"step_{self.learner.step:06d}.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
-        latest_tmp = directory / "latest.tmp"
-        latest_tmp.write_text(path.name + "\n")
-        os.replace(latest_tmp, directory / "latest")
+        """Write ``step_<N>.pt`` atomically with its SHA-256 checksum, point ``latest`` at it, then keep only
+        the newest ``keep_last`` checkpoints (:mod:`async_rl.driver.checkpoint`). Worker-group trainers
+        (``trainer.workers=ray``) write their model and optimizer shards into ``step_<N>.pt.shards/``, every
+        rank its own, committed by the same rename."""
+        shards = self.learner.save_model_shards if self.learner.model_state_sharded else None
+        path = write_checkpoint(self.state_dict(), self.checkpoint_dir, self.learner.step, write_shards=shards)
+        prune_checkpoints(self.checkpoint_dir, self.learner.step, self.cfg.keep_last)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(path)
         return path
 
     def resume(self, path: Optional[str | Path] = None) -> bool:
-        """Load ``path`` or the directory's latest checkpoint; False when there is none."""
-        if path is None:
-            latest = Path(self.checkpoint_dir) / "latest" if self.checkpoint_dir else None
-            if latest is None or not latest.exists():
-                return False
-            path = latest.parent / latest.read_text().strip()
-        self.load_state_dict(torch.load(path, weights_only=False))
-        return True
+        """Continue from ``path``, or from the newest intact checkpoint of ``checkpoint_dir``; False when
+        there is none.
+
+        Without ``path``, a truncated or corrupt newest checkpoint (checksum or load failure) is skipped for
+        the previous one, with a printed message. Raises :class:`CheckpointError` when no checkpoint is
+        usable or the one read does not fit this run's config; a failed resume changes no file.
+        """
+        self.resumed_from = None
+        if path is not None:
+            state, problem = read_checkpoint(path)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+            self._load_checked(state, Path(path))
+            self.resumed_from = Path(path)
+            return True
+        if not self.checkpoint_dir:
+            return False
+        self.resumed_from = load_newest_good(self.checkpoint_dir, lambda state: self._load_checked(state, None))
+        return self.resumed_from is not None
+
+    def _load_checked(self, state: dict, path: Optional[Path]) -> None:
+        try:
+            self.load_state_dict(state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as err:
+            where = f"checkpoint {path}" if path else f"the newest intact checkpoint in {self.checkpoint_dir}"
+            raise CheckpointError(f"{where} does not fit this run ({type(err).__name__}: {err}); resume with the "
+                                  "config it was saved with (algorithm, model, batch sizes)") from err
 
     def _finished(self, traj: Trajectory) -> None:
         self.stats.trajectories_finished += 1
@@ -313,6 +355,7 @@ class DeterministicDriver:
             "perf/trajectories_per_s": s.trajectories_finished / max(elapsed, 1e-9),
             "perf/tokens_per_s": self.rollout.generated_tokens / max(elapsed, 1e-9),
             "perf/wall_s": elapsed,
+            **self.rollout.env_metrics(),  # env calls: failed, hung, leaked threads (rollout_manager.py)
         }
 
     def _stall_report(self) -> str:

@@ -238,6 +238,11 @@ class Learner:
         self.phase = state["phase"]
         if state["gate"] is not None:
             self.gate = ReadinessGate.from_state_dict(state["gate"])
+        saved_ranks = state.get("train_world_size")
+        ranks_now = int(getattr(self.actor, "world_size", 1))
+        if saved_ranks is not None and int(saved_ranks) != ranks_now:
+            print(f"resume: resharding the model and optimizer state saved on {saved_ranks} train rank(s) onto "
+                  f"{ranks_now}", flush=True)
         roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.critic is not None else [])
         for name, role in roles:
             if saved_as == "sharded":

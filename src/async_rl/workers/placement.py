@@ -41,11 +41,15 @@ from async_rl.workers.verl_workers import (
     CriticWorker,
     RemoteActor,
     RemoteCritic,
+    RemoteSapo,
     RolloutWorker,
+    SapoWorker,
     TimedRayWorkerGroup,
 )
 
 PLACEMENTS = ("colocated", "disaggregated")
+# what runs in the "actor" role: the policy alone, or SAPO's single backbone (policy + V + Q, spec §5)
+ACTOR_WORKERS = {"actor": ActorWorker, "sapo": SapoWorker}
 
 
 def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs) -> None:
@@ -84,9 +88,20 @@ class WorkerGroups:
     resource_pools: list[RayResourcePool]
     process_groups: list[TimedRayWorkerGroup]  # the groups that own the Ray actors
     init_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the rollout replicas streamed to by the driver (async_rl.rollout.client.ReplicaPool), stopped with the groups
+    rollout_pool: Optional[Any] = None
 
     def remote_actor(self, timeout_s: Optional[float] = None) -> RemoteActor:
         return RemoteActor(self.actor, timeout_s)
+
+    def remote_sapo(self, timeout_s: Optional[float] = None) -> RemoteSapo:
+        """The SAPO adapter of an ``actor_worker="sapo"`` placement (its reserved ids as the workers resolved them)."""
+        info = self.init_info.get("actor") or []
+        reserved = {tuple(rank["reserved_ids"]) for rank in info if isinstance(rank, dict) and "reserved_ids" in rank}
+        if len(reserved) != 1:
+            raise RuntimeError("remote_sapo needs worker groups made with actor_worker='sapo' "
+                               f"(the actor ranks reported reserved ids {sorted(reserved)})")
+        return RemoteSapo(self.actor, reserved.pop(), timeout_s)
 
     def remote_critic(self, timeout_s: Optional[float] = None) -> Optional[RemoteCritic]:
         return None if self.critic is None else RemoteCritic(self.critic, timeout_s)
@@ -111,7 +126,10 @@ class WorkerGroups:
         return self.rollout.generate(requests, **kw)
 
     def shutdown(self) -> None:
-        """Kill the worker processes and release their placement groups (idempotent)."""
+        """Kill the worker processes (and the rollout replicas) and release their placement groups (idempotent)."""
+        if self.rollout_pool is not None:
+            self.rollout_pool.shutdown()
+            self.rollout_pool = None
         for group in self.process_groups:
             for worker in list(group.workers):
                 try:
@@ -155,6 +173,7 @@ def make_worker_groups(
     critic_kwargs: Optional[dict[str, Any]] = None,
     rollout_kwargs: Optional[dict[str, Any]] = None,
     with_critic: bool = True,
+    actor_worker: str = "actor",
     use_gpu: Optional[bool] = None,
     cpus_per_worker: Optional[float] = None,
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
@@ -173,6 +192,9 @@ def make_worker_groups(
             :class:`ActorWorker` (``optim``, ``temperature``, ``micro_batch_size``, ...),
             :class:`CriticWorker`, :class:`RolloutWorker`.
         with_critic: build the critic (GRPO-style algorithms do not need one).
+        actor_worker: ``"actor"`` (:class:`ActorWorker`) or ``"sapo"`` (:class:`SapoWorker`: SAPO's one
+            backbone for policy, V and Q; ``actor_kwargs`` then also take ``reserved``, ``tau_v``, ``r_max``,
+            ``kl_coef``; drive it with :meth:`WorkerGroups.remote_sapo`).
         use_gpu: default ``torch.cuda.is_available()`` (on the driver).
         cpus_per_worker: ``num_cpus`` each worker process holds (``None``: Ray's actor default, 0 held
             after scheduling); at most 1, the bundle size.
@@ -183,6 +205,8 @@ def make_worker_groups(
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if n_train_workers < 1:
         raise ValueError("n_train_workers must be >= 1")
+    if actor_worker not in ACTOR_WORKERS:
+        raise ValueError(f"actor_worker={actor_worker!r}; valid choices: {', '.join(ACTOR_WORKERS)}")
     if placement == "colocated":
         if n_rollout_workers not in (None, n_train_workers):
             raise ValueError("colocated: every train process holds one rollout engine, so n_rollout_workers "
@@ -199,7 +223,7 @@ def make_worker_groups(
 
     model_path = str(model_path)
     roles: dict[str, RayClassWithInitArgs] = {
-        "actor": RayClassWithInitArgs(ray.remote(ActorWorker), model_path, **(actor_kwargs or {}))}
+        "actor": RayClassWithInitArgs(ray.remote(ACTOR_WORKERS[actor_worker]), model_path, **(actor_kwargs or {}))}
     if with_critic:
         roles["critic"] = RayClassWithInitArgs(ray.remote(CriticWorker), model_path, **(critic_kwargs or {}))
     rollout_cia = RayClassWithInitArgs(ray.remote(RolloutWorker), model_path, **(rollout_kwargs or {}))
@@ -250,4 +274,4 @@ def shutdown_worker_groups(*all_groups: Optional[WorkerGroups]) -> None:
             groups.shutdown()
 
 
-__all__ = ["PLACEMENTS", "WorkerGroups", "ensure_ray", "make_worker_groups", "shutdown_worker_groups"]
+__all__ = ["ACTOR_WORKERS", "PLACEMENTS", "WorkerGroups", "ensure_ray", "make_worker_groups", "shutdown_worker_groups"]

@@ -17,8 +17,10 @@ ActorWorker       ``init_model()``                 ONE_TO_ALL: process group + F
                   ``publish_weights(version)``     ONE_TO_ALL: rank 0 puts them in the object store
                   ``state_dict()`` /               ONE_TO_ALL: checkpoints (model + AdamW)
                   ``load_state_dict(state)``
+                  ``save_sharded(dir)`` /          ONE_TO_ALL: every rank writes / reads its own
+                  ``load_sharded(dir)``            shard (torch.distributed.checkpoint, reshards)
 CriticWorker      ``init_model``, ``compute_values``, ``update_critic``, ``state_dict``,
-                  ``load_state_dict`` (same modes)
+                  ``load_state_dict``, ``save_sharded``, ``load_sharded`` (same modes)
 RolloutWorker     ``init_model()``                 ONE_TO_ALL: an HFRolloutEngine per worker
                   ``generate(data)``               requests split over the workers (DataProto or
                                                    a list of request dicts), outputs concatenated
@@ -61,6 +63,7 @@ from verl.single_controller.ray import RayWorkerGroup
 
 from async_rl.engine import dist
 from async_rl.engine.base import OptimizerConfig
+from async_rl.engine.settings import TrainingSettings
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
 
@@ -411,6 +414,7 @@ class ActorWorker(_RoleWorker):
 
     def __init__(self, model_path: str, optim: Optional[OptimizerConfig] = None, temperature: float = 1.0,
                  banned_token_ids: Sequence[int] = (), micro_batch_size: Optional[int] = None,
+                 training: Optional[TrainingSettings] = None,
                  dtype: Optional[str] = None, torch_threads: Optional[int] = 1, device: Optional[str] = None,
                  dist_timeout_s: float = 600.0):
         super().__init__(torch_threads=torch_threads, device=device, dist_timeout_s=dist_timeout_s)
@@ -419,6 +423,7 @@ class ActorWorker(_RoleWorker):
         self.temperature = temperature
         self.banned_token_ids = tuple(banned_token_ids)
         self.micro_batch_size = micro_batch_size
+        self.training = (training or TrainingSettings()).validate()  # precision, token budget, checkpointing
         self.dtype = dtype
         self.role = None
         self.update_count = 0  # optimizer steps taken (a colocated rollout checks it was synced)
@@ -431,7 +436,8 @@ class ActorWorker(_RoleWorker):
         ctx = self._init_distributed()
         model = load_causal_lm(self.model_path, dtype=self.dtype, device="cpu")
         self.role = ActorRole(model, self.optim, temperature=self.temperature,
-                              banned_token_ids=self.banned_token_ids, micro_batch_size=self.micro_batch_size)
+                              banned_token_ids=self.banned_token_ids, micro_batch_size=self.micro_batch_size,
+                              **self.training.role_kwargs())
         return {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
                 "device": str(self.role.engine.device), "sharded": self.role.engine.is_sharded}
 
@@ -448,8 +454,8 @@ class ActorWorker(_RoleWorker):
         """One optimizer step on this rank's shard; the token-mean normaliser is global.
 
         ``data.batch`` needs :data:`ACTOR_UPDATE_KEYS` (``advantages (bs, T)`` included);
-        ``data.meta_info`` may set ``loss_mode`` ("vanilla" | "dis" | "dis_clip"), ``clip_low``,
-        ``clip_high``, ``dis_low``, ``dis_high``. Returns an empty DataProto with the global metrics in
+        ``data.meta_info`` may set ``loss_mode`` ("ppo_clip" | "dis" | "dis_clip" | "vanilla"), ``clip_low``,
+        ``clip_high``, ``dis_low``, ``dis_high``, ``loss_agg_mode``. Returns an empty DataProto with the global metrics in
         ``meta_info["metrics"]``.
         """
         self._require_model()
@@ -457,9 +463,10 @@ class ActorWorker(_RoleWorker):
         meta = data.meta_info
         batch = proto_to_batch(data)
         advantages = batch.pop("advantages")
-        metrics = self.role.update(batch, advantages, meta.get("loss_mode", "vanilla"),
+        metrics = self.role.update(batch, advantages, meta.get("loss_mode", "ppo_clip"),
                                    clip_low=meta.get("clip_low", 0.2), clip_high=meta.get("clip_high", 0.28),
-                                   dis_low=meta.get("dis_low", 0.7), dis_high=meta.get("dis_high", 6.0))
+                                   dis_low=meta.get("dis_low", 0.7), dis_high=meta.get("dis_high", 6.0),
+                                   loss_agg_mode=meta.get("loss_agg_mode", "seq-mean-token-mean"))
         self.update_count += 1
         metrics = _reduce_metrics(metrics, self.role.engine.device, keep=("actor/grad_norm",))
         return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
@@ -502,18 +509,35 @@ class ActorWorker(_RoleWorker):
         self.update_count = int(state.get("update_count", self.update_count)) + 1  # weights changed
         return True
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_sharded(self, directory: str) -> dict[str, Any]:
+        """Every rank writes its shard of model + AdamW state under ``directory`` (one file system all
+        ranks see); nothing is gathered. Returns the engine's metadata (world size, optimizer state)."""
+        self._require_model()
+        return self.role.engine.save_sharded(directory)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_sharded(self, directory: str) -> dict[str, Any]:
+        """Load :meth:`save_sharded`'s shards, saved at this or another world size (DCP reshards)."""
+        self._require_model()
+        meta = self.role.engine.load_sharded(directory)
+        self.update_count += 1  # weights changed: a colocated rollout must sync again
+        return meta
+
 
 class CriticWorker(_RoleWorker):
     """The critic (policy backbone + value head, attention frozen) on one data-parallel rank."""
 
     def __init__(self, model_path: str, optim: Optional[OptimizerConfig] = None, freeze_attention: bool = True,
-                 micro_batch_size: Optional[int] = None, dtype: Optional[str] = None,
+                 micro_batch_size: Optional[int] = None, training: Optional[TrainingSettings] = None,
+                 dtype: Optional[str] = None,
                  torch_threads: Optional[int] = 1, device: Optional[str] = None, dist_timeout_s: float = 600.0):
         super().__init__(torch_threads=torch_threads, device=device, dist_timeout_s=dist_timeout_s)
         self.model_path = str(model_path)
         self.optim = optim or OptimizerConfig()
         self.freeze_attention = freeze_attention
         self.micro_batch_size = micro_batch_size
+        self.training = (training or TrainingSettings()).validate()  # precision, token budget, checkpointing
         self.dtype = dtype
         self.role = None
 
@@ -525,7 +549,7 @@ class CriticWorker(_RoleWorker):
         ctx = self._init_distributed()  # idempotent when the actor shares this process
         model = load_causal_lm(self.model_path, dtype=self.dtype, device="cpu")
         self.role = CriticRole(model, self.optim, freeze_attention=self.freeze_attention,
-                               micro_batch_size=self.micro_batch_size)
+                               micro_batch_size=self.micro_batch_size, **self.training.role_kwargs())
         return {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
                 "device": str(self.role.engine.device), "sharded": self.role.engine.is_sharded}
 
@@ -576,6 +600,17 @@ class CriticWorker(_RoleWorker):
         if state.get("optim") is not None:
             self.role.engine.load_optimizer_state_dict(state["optim"])
         return True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_sharded(self, directory: str) -> dict[str, Any]:
+        """As :meth:`ActorWorker.save_sharded`: every rank writes its shard under ``directory``."""
+        self._require_model()
+        return self.role.engine.save_sharded(directory)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_sharded(self, directory: str) -> dict[str, Any]:
+        self._require_model()
+        return self.role.engine.load_sharded(directory)
 
 
 # ---------------------------------------------------------------------------- rollout dispatch
@@ -830,6 +865,7 @@ class SapoWorker(ActorWorker):
         model = load_causal_lm(self.model_path, dtype=self.dtype, device="cpu")
         self.role = SapoRole(model, self.optim, reserved_ids=reserved_ids, tau_v=self.tau_v, r_max=self.r_max,
                              temperature=self.temperature, micro_batch_size=self.micro_batch_size,
+                             **self.training.role_kwargs(),
                              kl_coef=self.kl_coef)
         return {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
                 "reserved_ids": list(reserved_ids), "sharded": self.role.engine.is_sharded}
@@ -890,13 +926,13 @@ class RemoteActor:
         out = self.wg.compute_log_probs(padded, **self._kw(timeout_s))
         return _unpad(out, added).batch["log_probs"]
 
-    def update(self, batch, advantages: torch.Tensor, loss_mode: str = "vanilla", clip_low: float = 0.2,
+    def update(self, batch, advantages: torch.Tensor, loss_mode: str = "ppo_clip", clip_low: float = 0.2,
                clip_high: float = 0.28, dis_low: float = 0.7, dis_high: float = 6.0,
-               timeout_s: Optional[float] = None) -> dict[str, float]:
+               loss_agg_mode: str = "seq-mean-token-mean", timeout_s: Optional[float] = None) -> dict[str, float]:
         data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
         data["advantages"] = advantages
         proto = batch_to_proto(data, {"loss_mode": loss_mode, "clip_low": clip_low, "clip_high": clip_high,
-                                      "dis_low": dis_low, "dis_high": dis_high})
+                                      "dis_low": dis_low, "dis_high": dis_high, "loss_agg_mode": loss_agg_mode})
         padded, _ = pad_proto_for_dp(proto, self.wg.world_size)
         return metrics_from_proto(self.wg.update_actor(padded, **self._kw(timeout_s)))
 
@@ -911,6 +947,19 @@ class RemoteActor:
 
     def load_state_dict(self, state: dict[str, Any], timeout_s: Optional[float] = None) -> None:
         self.wg.load_state_dict(ray.put(state), **self._kw(timeout_s))
+
+    # checkpoints of the driver (Learner.save_model_shards): every rank writes its own shard
+    saves_sharded = True
+
+    @property
+    def world_size(self) -> int:
+        return int(self.wg.world_size)
+
+    def save_sharded(self, directory, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        return _first(self.wg.save_sharded(os.fspath(directory), **self._kw(timeout_s)))
+
+    def load_sharded(self, directory, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        return _first(self.wg.load_sharded(os.fspath(directory), **self._kw(timeout_s)))
 
 
 class RemoteCritic:
@@ -928,7 +977,7 @@ class RemoteCritic:
         return _unpad(self.wg.compute_values(padded, **self._kw(timeout_s)), added).batch["values"]
 
     def update(self, batch, targets: torch.Tensor, mask: torch.Tensor, old_values: torch.Tensor,
-               clip_eps: float = 0.2, ranking: Optional[dict[str, Any]] = None,
+               clip_eps: Optional[float] = 0.2, ranking: Optional[dict[str, Any]] = None,
                timeout_s: Optional[float] = None) -> dict[str, float]:
         data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
         data.update(value_targets=targets, value_mask=mask.to(torch.float32), old_values=old_values)
@@ -946,10 +995,90 @@ class RemoteCritic:
     def load_state_dict(self, state: dict[str, Any], timeout_s: Optional[float] = None) -> None:
         self.wg.load_state_dict(ray.put(state), **self._kw(timeout_s))
 
+    saves_sharded = True
+    world_size = RemoteActor.world_size
+    save_sharded = RemoteActor.save_sharded
+    load_sharded = RemoteActor.load_sharded
+
+
+# rows added by pad_proto_for_dp to a SAPO batch: no model token, no valid turn, hence no loss weight and no share
+# of the global turn-advantage statistics (the frozen targets of such a row are zero too)
+SAPO_ZERO_WEIGHT_KEYS = ("response_mask", "turn_mask", "target_turn_mask", "target_token_advantages")
+
+
+class RemoteSapo:
+    """The :class:`~async_rl.workers.sapo.SapoRole` calls the learner makes (spec §5), served by a
+    :class:`SapoWorker` group: ``turn_tensors``, ``compute_targets``, ``update``, the weight export and
+    checkpoints, and ``banned_token_ids`` for the rollout's sampling.
+
+    Batches are collated dicts; the turn tensors and the frozen targets travel in the same DataProto as
+    the batch (targets as ``target_<name>`` columns), padded for DP with zero-weight rows
+    (:data:`SAPO_ZERO_WEIGHT_KEYS`). Every rank returns the global metrics (``SapoRole.update``
+    all-reduces them), so the driver reads one.
+    """
+
+    def __init__(self, worker_group, reserved_ids: Sequence[int], timeout_s: Optional[float] = None):
+        if len(tuple(reserved_ids)) != 2:
+            raise ValueError(f"RemoteSapo needs the two reserved value ids (w+, w-), got {tuple(reserved_ids)}")
+        self.wg = worker_group
+        self.reserved_ids = tuple(int(i) for i in reserved_ids)
+        self.timeout_s = timeout_s
+
+    _kw = RemoteActor._kw
+    export_weights = RemoteActor.export_weights
+    publish_weights = RemoteActor.publish_weights
+    state_dict = RemoteActor.state_dict
+    load_state_dict = RemoteActor.load_state_dict
+    saves_sharded = True  # driver checkpoints: SapoWorker inherits ActorWorker's save_sharded/load_sharded
+    world_size = RemoteActor.world_size
+    save_sharded = RemoteActor.save_sharded
+    load_sharded = RemoteActor.load_sharded
+
+    @property
+    def banned_token_ids(self) -> tuple[int, int]:
+        """The rollout never samples the reserved ids (their logits are the V/Q readout)."""
+        return self.reserved_ids
+
+    def turn_tensors(self, trajectories_or_batch, num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """See :func:`async_rl.workers.sapo.turn_tensors` (built in the driver: it reads the trajectories)."""
+        from async_rl.workers.sapo import turn_tensors
+
+        return turn_tensors(trajectories_or_batch, num_turns)
+
+    def _padded_proto(self, batch, turns, targets=None, meta_info=None) -> tuple[DataProto, int]:
+        data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
+        data.update({key: turns[key] for key in SAPO_TURN_KEYS if key in turns})
+        if targets is not None:
+            data.update({f"target_{key}": value for key, value in targets.items() if torch.is_tensor(value)})
+        return pad_proto_for_dp(batch_to_proto(data, meta_info), self.wg.world_size, zero_keys=SAPO_ZERO_WEIGHT_KEYS)
+
+    def compute_targets(self, batch, turns: Mapping[str, torch.Tensor], gamma: float = 1.0, lam: float = 0.95,
+                        invalid_penalty: float = 0.1, timeout_s: Optional[float] = None) -> dict[str, torch.Tensor]:
+        """Frozen turn targets of the whole batch (rows in batch order), as ``SapoRole.compute_targets``."""
+        proto, added = self._padded_proto(batch, turns, meta_info={"gamma": float(gamma), "lam": float(lam),
+                                                                    "invalid_penalty": float(invalid_penalty)})
+        out = _unpad(self.wg.compute_sapo_targets(proto, **self._kw(timeout_s)), added)
+        return {key[len("target_"):]: out.batch[key] for key in out.batch.keys()}
+
+    def update(self, batch, turns: Optional[Mapping[str, torch.Tensor]], targets: Mapping[str, torch.Tensor],
+               clip_eps: float = 0.2, clip_v: float = 0.2, clip_q: float = 0.2, c_v: float = 0.5, c_q: float = 0.5,
+               c_h: float = 0.0, kl_coef: Optional[float] = None,
+               timeout_s: Optional[float] = None) -> dict[str, float]:
+        """One joint optimizer step over all ranks (``SapoRole.update``); returns its global metrics."""
+        if turns is None:  # the targets carry the combined turn mask: the workers only need it for the shapes
+            turns = {"turn_mask": targets["turn_mask"]}
+        if turns["turn_mask"].shape != targets["turn_mask"].shape:
+            raise ValueError("turns and targets disagree on (bs, K): recompute the targets for this batch")
+        meta = {"clip_eps": float(clip_eps), "clip_v": float(clip_v), "clip_q": float(clip_q), "c_v": float(c_v),
+                "c_q": float(c_q), "c_h": float(c_h), "kl_coef": None if kl_coef is None else float(kl_coef)}
+        proto, _ = self._padded_proto(batch, turns, targets, meta)
+        return metrics_from_proto(self.wg.update_sapo(proto, **self._kw(timeout_s)))
+
 
 __all__ = [
     "ACTOR_UPDATE_KEYS", "CRITIC_UPDATE_KEYS", "DEFAULT_CALL_TIMEOUT_S", "GENERATION_COLUMNS", "MODEL_INPUT_KEYS",
-    "ActorWorker", "CriticWorker", "RemoteActor", "RemoteCritic", "RolloutWorker", "TimedRayWorkerGroup",
+    "ActorWorker", "CriticWorker", "RemoteActor", "RemoteCritic", "RemoteSapo", "RolloutWorker", "SAPO_TURN_KEYS",
+    "SAPO_ZERO_WEIGHT_KEYS", "SapoWorker", "TimedRayWorkerGroup",
     "WorkerCallError", "WorkerTimeoutError", "batch_to_proto", "metrics_from_proto", "outputs_from_proto",
     "outputs_to_proto", "pad_proto_for_dp", "proto_to_batch", "requests_from_dicts", "requests_from_proto",
     "wait_for_workers",
