@@ -272,7 +272,9 @@ def test_async_steps_run_on_the_reused_default_pool_workers():
     started = default_env_pool()._started_threads
     names = asyncio.run(scenario())
     assert all(name.startswith("env-call-default") for name in names)
-    assert default_env_pool()._started_threads == started  # 50 awaited steps, no new thread
+    # 50 awaited steps start no thread per call; at most a couple more workers may be woken when earlier
+    # tests left hung calls occupying some (the pool wakes extra workers for calls stuck behind them)
+    assert default_env_pool()._started_threads - started <= 2
 
 
 def test_construct_step_and_close_timeouts_name_the_call():

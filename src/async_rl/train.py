@@ -278,10 +278,6 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
     for key, value in normalised.items():
         if repr(value) != repr(given.get(key)):  # repr: 100 and 100.0 differ, also inside model.sft
             OmegaConf.update(cfg, key, value, merge=False)
-    checkpointing = bool(trainer.get("resume", False) or driver_cfg.checkpoint_every)
-    if trainer.get("scheduler", "deterministic") == "concurrent" and checkpointing:
-        raise ConfigError("trainer.scheduler=concurrent: checkpoint/resume (trainer.resume, "
-                          "trainer.driver.checkpoint_every) needs trainer.scheduler=deterministic")
     try:  # rollout replicas (conf/rollout/default.yaml), used by trainer.workers=ray
         ReplicaSettings.from_config(cfg.get("rollout"))
     except ValueError as err:
@@ -355,7 +351,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         if cfg.trainer.scheduler == "concurrent":
-            driver = build_concurrent_driver(algo, driver_cfg, spec, on_step=on_step)
+            driver = build_concurrent_driver(algo, driver_cfg, spec, on_step=on_step,
+                                             checkpoint_dir=run_dir / "checkpoints")
         else:
             driver = build_deterministic_driver(algo, driver_cfg, spec, on_step=on_step,
                                                 checkpoint_dir=run_dir / "checkpoints")

@@ -196,8 +196,9 @@ def build_deterministic_driver(algo: AlgorithmConfig, driver_cfg: DriverConfig, 
     return DeterministicDriver(driver_cfg, learner, rollout, on_step=on_step, checkpoint_dir=checkpoint_dir)
 
 
-def build_concurrent_driver(algo: AlgorithmConfig, driver_cfg: DriverConfig, spec: RunSpec, on_step=None):
+def build_concurrent_driver(algo: AlgorithmConfig, driver_cfg: DriverConfig, spec: RunSpec, on_step=None,
+                            checkpoint_dir=None):
     from async_rl.driver.concurrent import ConcurrentDriver
 
     learner, rollout = build_learner_and_rollout(algo, spec)
-    return ConcurrentDriver(driver_cfg, learner, rollout, on_step=on_step)
+    return ConcurrentDriver(driver_cfg, learner, rollout, on_step=on_step, checkpoint_dir=checkpoint_dir)

@@ -27,12 +27,19 @@ trainer never waits without a timeout, so a dead rollout cannot deadlock the dri
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
+import torch
+
 from async_rl.driver.buffer import TrajectoryBuffer
+from async_rl.driver.checkpoint import (CheckpointError, load_newest_good, prune_checkpoints, read_checkpoint,
+                                       write_checkpoint)
 from async_rl.driver.driver import DriverConfig, RunStats, choose_prefetched_job, take_last_bootstrap_batch
 from async_rl.driver.learner import Learner
 from async_rl.driver.rollout_manager import RolloutManager
@@ -46,7 +53,7 @@ class RolloutThreadError(RuntimeError):
 class ConcurrentDriver:
     def __init__(self, cfg: DriverConfig, learner: Learner, rollout: RolloutManager, *,
                  on_step: Optional[Callable[[dict], None]] = None, wait_timeout_s: float = 600.0,
-                 staleness_aware: bool = True):
+                 staleness_aware: bool = True, checkpoint_dir: Optional[str | Path] = None):
         self.cfg = cfg
         self.learner = learner
         self.rollout = rollout
@@ -75,6 +82,9 @@ class ConcurrentDriver:
         self._training_batch = 0  # trajectories taken by the trainer and not yet published
         self.aborted_stale = 0  # live episodes aborted because their oldest token already exceeded the cap
         self.stale_wasted_tokens = 0
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.on_checkpoint: Optional[Callable[[Path], None]] = None  # called with each checkpoint written
+        self.resumed_from: Optional[Path] = None
 
     # ------------------------------------------------------------------ rollout thread
     def _rollout_loop(self) -> None:
@@ -86,7 +96,9 @@ class ConcurrentDriver:
                     if self.switch_state != "draining":
                         with self._ready:
                             while (self.rollout.inflight_trajectories + self.rollout.group_size <= self.max_inflight
-                                   and self.buffer.has_room(self.rollout.inflight_trajectories
+                                   # trajectories a launch already finished (e.g. an env that failed
+                                   # to start) are neither live nor buffered yet: count them too
+                                   and self.buffer.has_room(self.rollout.inflight_trajectories + len(finished)
                                                             + self.rollout.group_size)
                                    and self._admits(self.rollout.group_size)):
                                 finished += self.rollout.launch_prompt()
@@ -261,9 +273,98 @@ class ConcurrentDriver:
                 self.history.append(metrics)
                 if self.on_step is not None:
                     self.on_step(metrics)
+                if weights is not None and self.checkpoint_dir and self.cfg.checkpoint_every and \
+                        self.learner.step % self.cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
         finally:
             self._stop.set()
             thread.join(timeout=60)
             if not thread.is_alive():  # abort what is still live, close its envs, stop the env workers
                 self.rollout.close()
         return self.history
+
+    # ------------------------------------------------------------------ checkpoint and resume
+    def state_dict(self) -> dict:
+        """The run at a cut: called by the trainer right after a publication, holding ``_lock`` (the rollout
+        thread is between two iterations). Env calls still in flight are waited out first and the
+        trajectories they finish go to the buffer, so the cut holds no half-done env step. Same layout as
+        the deterministic driver's (``format`` 1, plus ``scheduler``)."""
+        with self._ready:
+            for traj in self.rollout.settle_env_calls():
+                self.stats.trajectories_finished += 1
+                if self.switch_state == "draining" and traj.group_id not in self.kept_groups:
+                    self.buffer.counters.discarded += 1
+                    continue
+                self.buffer.add(traj)
+            return {
+                "format": 1,
+                "scheduler": "concurrent",
+                "switch_state": self.switch_state,
+                "kept_groups": sorted(self.kept_groups),
+                "stats": {k: v for k, v in vars(self.stats).items() if k != "wall_start"},
+                "aborted_stale": self.aborted_stale,
+                "stale_wasted_tokens": self.stale_wasted_tokens,
+                "learner": self.learner.state_dict(),
+                "buffer": self.buffer.state_dict(),
+                "rollout": self.rollout.state_dict(),
+                # the weights of this version were handed to the engine just before the cut (in-driver engine:
+                # applied at its next token boundary), so that is the version the resumed engine runs
+                "engine_version": self.learner.policy_version,
+                "history": self.history,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != 1:
+            raise ValueError(f"unsupported checkpoint format {state.get('format')!r}")
+        self.switch_state = state["switch_state"]
+        self.kept_groups = set(state["kept_groups"])
+        for key, value in state["stats"].items():
+            setattr(self.stats, key, value)
+        self.aborted_stale = int(state.get("aborted_stale", 0))
+        self.stale_wasted_tokens = int(state.get("stale_wasted_tokens", 0))
+        shards = state.get("shards") or {}
+        self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
+        self.buffer.load_state_dict(state["buffer"])
+        self.rollout.engine.update_weights(self.learner.actor.export_weights(), state["engine_version"])
+        self.rollout.load_state_dict(state["rollout"])
+        self.history = list(state["history"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+
+    def save_checkpoint(self) -> Path:
+        """As :meth:`DeterministicDriver.save_checkpoint` (atomic, checksummed, sharded model state for worker
+        groups, ``keep_last``), taken with the rollout thread held at the cut of :meth:`state_dict`."""
+        shards = self.learner.save_model_shards if self.learner.model_state_sharded else None
+        with self._lock:
+            path = write_checkpoint(self.state_dict(), self.checkpoint_dir, self.learner.step, write_shards=shards)
+        prune_checkpoints(self.checkpoint_dir, self.learner.step, self.cfg.keep_last)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(path)
+        return path
+
+    def resume(self, path: Optional[str | Path] = None) -> bool:
+        """Continue from ``path`` or the newest intact checkpoint (call before :meth:`run`); False when there
+        is none. Falls back past damaged checkpoints like the deterministic driver; a resumed concurrent run
+        continues the run (no trained step lost or repeated) but is not bit for bit (real time)."""
+        self.resumed_from = None
+        if path is not None:
+            state, problem = read_checkpoint(path)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+            self._load_checked(state, Path(path))
+            self.resumed_from = Path(path)
+            return True
+        if not self.checkpoint_dir:
+            return False
+        self.resumed_from = load_newest_good(self.checkpoint_dir, lambda state: self._load_checked(state, None))
+        return self.resumed_from is not None
+
+    def _load_checked(self, state: dict, path: Optional[Path]) -> None:
+        try:
+            self.load_state_dict(state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as err:
+            where = f"checkpoint {path}" if path else f"the newest intact checkpoint in {self.checkpoint_dir}"
+            raise CheckpointError(f"{where} does not fit this run ({type(err).__name__}: {err}); resume with the "
+                                  "config it was saved with (algorithm, model, batch sizes)") from err

@@ -44,6 +44,8 @@ class Learner:
         self.step = 0  # batches consumed
         self.phase = "bootstrap" if cfg.name == "li2sao" else "main"
         self.gate = ReadinessGate(**vars(cfg.gate)) if cfg.name == "li2sao" else None
+        # checkpoints: None = sharded model state exactly for worker-group trainers (see model_state_sharded)
+        self.shard_model_state: Optional[bool] = None
 
     # ------------------------------------------------------------------ the step
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -192,7 +194,10 @@ class Learner:
     def model_state_sharded(self) -> bool:
         """True when actor and critic are worker groups (``trainer.workers=ray``): their model and optimizer
         state goes to a sharded directory (:meth:`save_model_shards`, every rank its shard) next to the
-        driver-state file instead of into it; in-process roles put full state dicts into it."""
+        driver-state file instead of into it; in-process roles put full state dicts into it, unless
+        :attr:`shard_model_state` is set (their engines save shards as one rank)."""
+        if self.shard_model_state is not None:
+            return bool(self.shard_model_state)
         return bool(getattr(self.actor, "saves_sharded", False))
 
     def state_dict(self) -> dict:
@@ -203,7 +208,7 @@ class Learner:
         }
         if self.model_state_sharded:
             state["model_state"] = "sharded"
-            state["train_world_size"] = int(self.actor.world_size)
+            state["train_world_size"] = int(getattr(self.actor, "world_size", 1))
             return state
         state["model_state"] = "full"
         state["actor_model"] = self.actor.engine.full_state_dict()

@@ -323,6 +323,11 @@ class RolloutManager:
         return self.release_env_threads(wait_s)
 
     # ------------------------------------------------------------------ checkpointing
+    def settle_env_calls(self) -> list[Trajectory]:
+        """Wait out every env call in flight (each under its timeout); returns the trajectories that
+        finished. The concurrent scheduler calls it before :meth:`state_dict`, which needs none in flight."""
+        return self._settle(block=True)
+
     def state_dict(self) -> dict:
         """Live episodes, queued requests and the engine's partial generations (call between chunks)."""
         if any(not item.episode.discarded for item in self._pending):
