@@ -1,4 +1,6 @@
-"""Supervised warm start on noisy toy-task demonstrations (``toy_keys`` / ``toy_echo``).
+"""Supervised warm start on noisy demonstrations: the toy tasks (``toy_keys`` / ``toy_echo``) and, for the
+SIZE=tiny recipes, scripted episodes of the real tasks (math, retool, alfworld, webshop;
+:func:`sft_warm_start_on_tasks`, see the last section and recipes/README.md).
 
 A randomly initialised tiny model cannot even produce the action format, so RL on it would never see a
 reward. :func:`sft_warm_start` fine-tunes it on chat-formatted demonstrations of which a fraction
@@ -601,11 +603,15 @@ if __name__ == "__main__":
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "math": {"noise": 0.6, "steps": 200, "clean_fraction": 0.5, "num_demos": 256, "batch_size": 16},
     "retool": {"noise": 0.6, "steps": 250, "clean_fraction": 0.6, "num_demos": 128, "batch_size": 16},
-    "alfworld": {"noise": 0.6, "steps": 120, "clean_fraction": 0.5, "num_demos": 24, "batch_size": 1},
-    "webshop": {"noise": 0.6, "steps": 120, "clean_fraction": 0.5, "num_demos": 32, "batch_size": 1},
+    # a game is lost by any wrong action among five: fewer noisy demos than the single-turn tasks
+    "alfworld": {"noise": 0.3, "steps": 200, "clean_fraction": 0.6, "num_demos": 24, "batch_size": 1},
+    # product ids are 10 random characters to copy from the page: more steps than the others
+    "webshop": {"noise": 0.3, "steps": 500, "clean_fraction": 0.7, "num_demos": 32, "batch_size": 1},
 }
 TASK_DEMO_ENVS: tuple[str, ...] = tuple(TASK_DEFAULTS)
-TASK_THINK_TOKENS_MEAN = 0.5  # short fillers: the tiny recipes' token budgets are tight
+# no thinking fillers: a tiny model sampling at temperature 1 garbles actions that follow random filler words,
+# and the multi-turn recipes' token budgets are tight (the envs parse only the <action> tag)
+TASK_THINK_TOKENS_MEAN = 0.0
 
 _INTERPRETER_INT = re.compile(r"<interpreter>\s*(-?\d+)\s*</interpreter>")
 
@@ -646,7 +652,8 @@ class _ScriptedPolicy:
     Clean episodes play the task's expert: math boxes the training record's answer; ReTool runs the
     toy expression (or prints the record's answer) in ``<code>`` and then boxes the interpreter's
     number; ALFWorld follows the PDDL planner (``AlfWorldEnv(expert=True).expert_plan``); WebShop searches
-    the instruction, opens the target product when it is listed (else the first result), clicks the
+    the goal's product query (the simulator's catalog; the instruction on a server), opens the target
+    product when it is listed (else the first result), clicks the
     option values the instruction names and buys. A noisy episode makes one mistake at a turn drawn at
     random: a wrong number, code with a wrong digit, a random admissible action, a random product or
     buying without choosing options, so that the demonstrations succeed only sometimes.
@@ -692,7 +699,10 @@ class _ScriptedPolicy:
         actions = self.env.admissible_actions
         clicks = [a[len("click["):-1] for a in actions if a.startswith("click[")]
         if any(a.startswith("search[") for a in actions):
-            return f"<action>search[{self.env.instruction}]</action>"
+            # the goal's short product query ("sunglasses"), as a shopper types it: a tiny model cannot copy
+            # a whole instruction, and one query per product type gives a results page it can learn
+            goal = self.env.simulator_goal(int(self.task["goal_index"])) if hasattr(self.env, "simulator_goal") else None
+            return f"<action>search[{(goal or {}).get('query') or self.env.instruction}]</action>"
         if "buy now" in clicks:  # a product page: choose the options the instruction names, then buy
             instruction = (self.env.instruction or "").lower()
             navigation = {"back to search", "< prev", "description", "features", "reviews", "buy now"}

@@ -134,8 +134,8 @@ def format_webshop_prompt(
 
 
 class _SimulatorBackend:
-    def __init__(self, shop: Shop, max_turns: int) -> None:
-        self.simulator = WebShopSimulator(shop, max_turns=max_turns)
+    def __init__(self, shop: Shop, max_turns: int, page_size: int = 10) -> None:
+        self.simulator = WebShopSimulator(shop, max_turns=max_turns, page_size=page_size)
 
     def reset(self, goal_index: int) -> ShopReply:
         return self.simulator.reset(goal_index)
@@ -188,6 +188,7 @@ class WebShopEnv(Env):
         check_instruction: compare a task's ``instruction`` with the backend's (see module docstring).
             Turn it off for a real WebShop server with tasks that carry synthetic instructions.
         shop: use this :class:`Shop` instead of the cached synthetic one (simulator backend).
+        page_size: results per search page of the simulator backend (WebShop shows 10).
     """
 
     max_turns = DEFAULT_MAX_TURNS
@@ -205,6 +206,7 @@ class WebShopEnv(Env):
         num_test_goals: int = DEFAULT_NUM_TEST_GOALS,
         check_instruction: bool = True,
         shop: Shop | None = None,
+        page_size: int = 10,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown WebShop backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -223,7 +225,8 @@ class WebShopEnv(Env):
         else:
             if shop is None:
                 shop = get_shop(int(catalog_seed), int(num_products), int(num_goals), int(num_test_goals))
-            self._backend = _SimulatorBackend(shop, self.max_turns)
+            # page_size: results per search page (WebShop's 10; fewer shortens a page for tiny models)
+            self._backend = _SimulatorBackend(shop, self.max_turns, int(page_size))
         self._instruction: str | None = None
         self._page = ""
         self._available: dict[str, Any] = {"has_search_bar": False, "clickables": []}
@@ -301,6 +304,13 @@ class WebShopEnv(Env):
     @property
     def instruction(self) -> str | None:
         return self._instruction
+
+    def simulator_goal(self, goal_index: int) -> dict[str, Any] | None:
+        """The synthetic catalog's goal record (``query``, ``asin``, ``goal_options``, ...) behind
+        ``goal_index``, e.g. to script demonstrations; None with the server backend (no catalog here)."""
+        if not isinstance(self._backend, _SimulatorBackend):
+            return None
+        return dict(self._backend.simulator.shop.catalog.goal(goal_index))
 
     @property
     def available_actions(self) -> dict[str, Any]:
@@ -392,6 +402,7 @@ _KWARG_KEYS = {
     "num_goals": "num_goals",
     "num_test_goals": "num_test_goals",
     "check_instruction": "check_instruction",
+    "page_size": "page_size",
 }
 
 
