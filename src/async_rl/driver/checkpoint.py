@@ -287,3 +287,29 @@ def load_newest_good(directory: str | os.PathLike, load: Callable[[dict], Any],
     raise CheckpointError(
         f"no usable checkpoint in {directory}: " + "; ".join(f"{p.name}: {why}" for p, why in damaged)
         + ". Nothing was changed; move the directory away (or choose another trainer.run_name) to start over.")
+
+
+def resume_checkpoint(load_state: Callable[[dict], None], directory: Optional[str | os.PathLike],
+                      path: Optional[str | os.PathLike] = None) -> Optional[Path]:
+    """The one resume rule of both schedulers: load ``path``, or else the newest intact checkpoint of
+    ``directory`` (falling back past damaged ones with a printed message); the checkpoint read, or None
+    when there is none. A state that ``load_state`` rejects (another config) raises :class:`CheckpointError`
+    naming the checkpoint; a failed resume changes no file."""
+
+    def checked(state: dict, where: Optional[Path]) -> None:
+        try:
+            load_state(state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as err:
+            name = f"checkpoint {where}" if where else f"the newest intact checkpoint in {directory}"
+            raise CheckpointError(f"{name} does not fit this run ({type(err).__name__}: {err}); resume with the "
+                                  "config it was saved with (algorithm, model, batch sizes)") from err
+
+    if path is not None:
+        state, problem = read_checkpoint(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        checked(state, Path(path))
+        return Path(path)
+    if not directory:
+        return None
+    return load_newest_good(directory, lambda state: checked(state, None))

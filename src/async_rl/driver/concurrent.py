@@ -38,8 +38,7 @@ import numpy as np
 import torch
 
 from async_rl.driver.buffer import TrajectoryBuffer
-from async_rl.driver.checkpoint import (CheckpointError, load_newest_good, prune_checkpoints, read_checkpoint,
-                                       write_checkpoint)
+from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, write_checkpoint
 from async_rl.driver.driver import DriverConfig, RunStats, choose_prefetched_job, take_last_bootstrap_batch
 from async_rl.driver.learner import Learner
 from async_rl.driver.rollout_manager import RolloutManager
@@ -348,23 +347,5 @@ class ConcurrentDriver:
         """Continue from ``path`` or the newest intact checkpoint (call before :meth:`run`); False when there
         is none. Falls back past damaged checkpoints like the deterministic driver; a resumed concurrent run
         continues the run (no trained step lost or repeated) but is not bit for bit (real time)."""
-        self.resumed_from = None
-        if path is not None:
-            state, problem = read_checkpoint(path)
-            if problem is not None:
-                raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
-            self._load_checked(state, Path(path))
-            self.resumed_from = Path(path)
-            return True
-        if not self.checkpoint_dir:
-            return False
-        self.resumed_from = load_newest_good(self.checkpoint_dir, lambda state: self._load_checked(state, None))
+        self.resumed_from = resume_checkpoint(self.load_state_dict, self.checkpoint_dir, path)
         return self.resumed_from is not None
-
-    def _load_checked(self, state: dict, path: Optional[Path]) -> None:
-        try:
-            self.load_state_dict(state)
-        except (KeyError, ValueError, RuntimeError, TypeError) as err:
-            where = f"checkpoint {path}" if path else f"the newest intact checkpoint in {self.checkpoint_dir}"
-            raise CheckpointError(f"{where} does not fit this run ({type(err).__name__}: {err}); resume with the "
-                                  "config it was saved with (algorithm, model, batch sizes)") from err

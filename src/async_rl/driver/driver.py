@@ -28,8 +28,7 @@ import numpy as np
 import torch
 
 from async_rl.driver.buffer import TrajectoryBuffer
-from async_rl.driver.checkpoint import (CheckpointError, load_newest_good, prune_checkpoints, read_checkpoint,
-                                       write_checkpoint)
+from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, write_checkpoint
 from async_rl.driver.learner import Learner
 from async_rl.driver.rollout_manager import RolloutManager
 from async_rl.driver.trajectory import Trajectory
@@ -273,26 +272,8 @@ class DeterministicDriver:
         the previous one, with a printed message. Raises :class:`CheckpointError` when no checkpoint is
         usable or the one read does not fit this run's config; a failed resume changes no file.
         """
-        self.resumed_from = None
-        if path is not None:
-            state, problem = read_checkpoint(path)
-            if problem is not None:
-                raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
-            self._load_checked(state, Path(path))
-            self.resumed_from = Path(path)
-            return True
-        if not self.checkpoint_dir:
-            return False
-        self.resumed_from = load_newest_good(self.checkpoint_dir, lambda state: self._load_checked(state, None))
+        self.resumed_from = resume_checkpoint(self.load_state_dict, self.checkpoint_dir, path)
         return self.resumed_from is not None
-
-    def _load_checked(self, state: dict, path: Optional[Path]) -> None:
-        try:
-            self.load_state_dict(state)
-        except (KeyError, ValueError, RuntimeError, TypeError) as err:
-            where = f"checkpoint {path}" if path else f"the newest intact checkpoint in {self.checkpoint_dir}"
-            raise CheckpointError(f"{where} does not fit this run ({type(err).__name__}: {err}); resume with the "
-                                  "config it was saved with (algorithm, model, batch sizes)") from err
 
     def _finished(self, traj: Trajectory) -> None:
         self.stats.trajectories_finished += 1
