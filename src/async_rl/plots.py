@@ -82,7 +82,9 @@ POLICY_LOSS = Panel("policy loss", (Series(("actor/pg_loss",), "actor/pg_loss"),
 CRITIC_EV = Panel("critic explained variance",
                   (Series(("critic/ev_tokens", "critic/explained_var"), "all model tokens"),
                    Series(("critic/ev_terminal",), "last token (terminal)")), "1 - Var(G-V)/Var(G)")
-CRITIC_LOSS = Panel("critic value loss", (Series(("critic/value_loss",), "clipped value loss"),), "loss")
+CRITIC_LOSS = Panel("critic value loss",
+                    (Series(("critic/value_loss",), "value loss (Eq. 10 residual in the bootstrap, Eq. 5 otherwise)"),),
+                    "loss")
 LI2SAO_EV = Panel("Li2SAO residual EV e_k",
                   (Series(("li2sao/explained_var_residual",), "e_k"), Series(("li2sao/ema_explained_var",), "EMA")),
                   "explained variance", (Threshold("η_e", "li2sao/eta_e", "eta_e", 0.2),))
