@@ -1,7 +1,8 @@
 """Rollout replicas (hf engine, each its own Ray actor process): throughput with 1 and 2 replicas, in-flight
 weight-update latency, and tokens regenerated after an update (must be 0).
 
-For each replica count it streams ``--requests`` single-turn requests (``--new-tokens`` tokens each, eos
+For each replica count (standalone), and for one hybrid replica inside one train rank (``rollout.mode=hybrid``,
+where each publication follows a change of the actor's weights and copies them in memory), it streams ``--requests`` single-turn requests (``--new-tokens`` tokens each, eos
 ignored, at most ``--inflight`` live at once: a finished request is replaced at once, as the driver does) through
 a :class:`~async_rl.rollout.client.ReplicaPool` and reports requests ("trajectories") per second and tokens per
 second. Meanwhile the driver publishes new weights ``--updates`` times: each publication pauses every replica,
@@ -47,14 +48,22 @@ def perturbed_weights(model_path: str, seed: int) -> dict[str, torch.Tensor]:
     return {name: t + 0.01 * torch.randn(t.shape, generator=generator) for name, t in model.state_dict().items()}
 
 
-def run_one(model_path: str, replicas: int, args) -> dict:
+def run_one(model_path: str, replicas: int, args, mode: str = "standalone") -> dict:
     import ray
 
     from async_rl.rollout.base import GenerationRequest, SamplingParams
     from async_rl.rollout.checkpoint_engine import published_handle
     from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.workers.placement import make_worker_groups
 
-    pool = ReplicaPool(launch_replicas("hf", replicas, model_path, chunk_tokens=args.chunk_tokens), "hf")
+    groups = None
+    if mode == "hybrid":  # one train rank (actor + fused rollout engine) per replica; the trainer's weights change
+        groups = make_worker_groups("colocated", replicas, None, model_path, with_critic=False,
+                                    rollout_kwargs={"share_actor_weights": False})
+        pool = ReplicaPool(launch_replicas("hf", replicas, model_path, chunk_tokens=args.chunk_tokens, mode="hybrid",
+                                           worker_group=groups.process_groups[0]), "hf")
+    else:
+        pool = ReplicaPool(launch_replicas("hf", replicas, model_path, chunk_tokens=args.chunk_tokens), "hf")
     updates = [perturbed_weights(model_path, seed) for seed in range(1, args.updates + 1)]
     handles = [published_handle(v, ray.put(w)) for v, w in enumerate(updates, start=1)]
     generator = torch.Generator().manual_seed(0)
@@ -80,6 +89,8 @@ def run_one(model_path: str, replicas: int, args) -> dict:
             if due and len(finished) >= due[0]:
                 due.pop(0)
                 version = len(latencies) + 1
+                if groups is not None:  # hybrid: a training step changes the actor's weights in the same process
+                    groups.remote_actor().load_state_dict({"model": updates[version - 1]})
                 t0 = time.perf_counter()
                 # pause first to read the exact prefixes that the update must keep, then publish
                 ray.get([r.servers[0].abort_all_requests.remote() for r in pool.replicas])
@@ -90,6 +101,8 @@ def run_one(model_path: str, replicas: int, args) -> dict:
         elapsed = time.perf_counter() - started
     finally:
         pool.shutdown()
+        if groups is not None:
+            groups.shutdown()
     kept = sum(len(state["token_ids"]) for _, state in snapshots)
     regenerated = sum(sum(1 for i, t in enumerate(state["token_ids"])
                           if i >= len(finished[rid].token_ids) or finished[rid].token_ids[i] != t)
@@ -97,7 +110,7 @@ def run_one(model_path: str, replicas: int, args) -> dict:
     tokens = sum(len(o.token_ids) for o in finished.values())
     multi_version = sum(1 for o in finished.values() if len(set(o.versions)) >= 2)
     return {
-        "replicas": replicas, "pids": pool.pids, "requests": args.requests, "wall_s": round(elapsed, 3),
+        "replicas": replicas, "mode": mode, "pids": pool.pids, "requests": args.requests, "wall_s": round(elapsed, 3),
         "trajectories_per_s": round(args.requests / elapsed, 2), "tokens_per_s": round(tokens / elapsed, 1),
         "updates": len(latencies), "update_latency_s_median": round(statistics.median(latencies), 4),
         "update_latency_s_max": round(max(latencies), 4), "tokens_kept_across_updates": kept,
@@ -143,6 +156,8 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=4)
     parser.add_argument("--chunk-tokens", type=int, default=4)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-hybrid", dest="hybrid", action="store_false",
+                        help="skip the rollout.mode=hybrid arm (1 replica inside 1 train rank)")
     parser.add_argument("--cap", type=int, default=1, help="staleness cap of the admission comparison")
     parser.add_argument("--admission-steps", type=int, default=8)
     parser.add_argument("--out", type=Path, default=RESULTS_PATH)
@@ -153,11 +168,12 @@ def main() -> None:
 
     from async_rl.models.tiny import make_tiny_model
 
-    ray.init(num_cpus=max(args.replicas) + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=max(args.replicas) + 3, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model_path = str(make_tiny_model(Path(tmp) / "m"))
             runs = [run_one(model_path, n, args) for n in args.replicas]
+            runs += [run_one(model_path, 1, args, mode="hybrid")] if args.hybrid else []
             admission = admission_comparison(model_path, args)
     finally:
         ray.shutdown()
@@ -167,7 +183,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:
-        print(f"{run['replicas']} replica(s): {run['trajectories_per_s']} traj/s, {run['tokens_per_s']} tok/s, "
+        print(f"{run['replicas']} {run['mode']} replica(s): {run['trajectories_per_s']} traj/s, {run['tokens_per_s']} tok/s, "
               f"update latency median {run['update_latency_s_median']} s (max {run['update_latency_s_max']}), "
               f"kept {run['tokens_kept_across_updates']} tokens, regenerated {run['tokens_regenerated_after_update']}, "
               f"{run['requests_spanning_versions']} requests span >= 2 versions")

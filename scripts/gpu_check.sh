@@ -9,6 +9,9 @@
 #    difference, fraction outside the DIS interval) -- scripts/gpu_check_vllm.py;
 # 4. a short asynchronous Li2SAO run with rollout.engine=vllm rollout.replicas=1 (actor and critic on CPU
 #    worker groups, the replica on the GPU), then prints its tokens/s and update latency from metrics.jsonl.
+# 5. the same run with rollout.mode=hybrid (our hf engine inside the CUDA train rank, docs/rollout.md §8).
+# Not covered on one GPU: rollout.weight_sync=checkpoint_manager rollout.checkpoint_backend=nccl needs the
+# trainer and the vLLM replica on two different GPUs (docs/rollout.md §9).
 # Every step has its own timeout; the script goes on after a failed step and exits non-zero at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +28,7 @@ PIP_ARGS=()
 if [ -n "${WHEELHOUSE:-}" ]; then PIP_ARGS=(--no-index --find-links "$WHEELHOUSE"); fi
 python3.11 -m venv .venv-gpu || { echo "FAILED: python3.11 -m venv"; exit 1; }
 . .venv-gpu/bin/activate
-timeout 270 pip install -q "${PIP_ARGS[@]}" -e ".[vllm,test]" || { echo "FAILED: pip install .[vllm]"; exit 1; }
+timeout 240 pip install -q "${PIP_ARGS[@]}" -e ".[vllm,test]" || { echo "FAILED: pip install .[vllm]"; exit 1; }
 python - <<'PY' || { echo "FAILED: no CUDA GPU visible"; exit 1; }
 import torch, transformers, vllm, verl
 print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "verl", verl.__version__)
@@ -39,12 +42,12 @@ timeout 60 python -m async_rl.models.tiny --out "$MODEL" --hidden-size 256 --num
   --intermediate-size 512 || fail "tiny model"
 
 step "vLLM replica: tokens/s, in-flight update latency, log-prob agreement"
-PYTHONUNBUFFERED=1 timeout 150 python scripts/gpu_check_vllm.py --model "$MODEL" --out "$OUT_DIR/gpu_check_vllm.json" \
+PYTHONUNBUFFERED=1 timeout 120 python scripts/gpu_check_vllm.py --model "$MODEL" --out "$OUT_DIR/gpu_check_vllm.json" \
   || fail "vLLM replica check"
 
 RUN=gpu-check-li2sao-vllm
 step "short async Li2SAO run: rollout.engine=vllm rollout.replicas=1"
-PYTHONUNBUFFERED=1 timeout 120 python -m async_rl.train --config-name demo trainer.workers=ray \
+PYTHONUNBUFFERED=1 timeout 100 python -m async_rl.train --config-name demo trainer.workers=ray \
   trainer.scheduler=concurrent trainer.device=cpu rollout.engine=vllm rollout.replicas=1 \
   model.dir=outputs/gpu_check/tiny-demo-h256 model.hidden_size=256 algorithm.train_batch_trajectories=16 \
   trainer.driver.total_steps=8 trainer.wandb=false trainer.run_name=$RUN trainer.output_dir=outputs/gpu_check \
@@ -57,6 +60,14 @@ print(f"steps {len(rows)}, tokens/s {rows[-1]['perf/tokens_per_s']:.1f}, "
       f"in-flight update latency median {statistics.median(lat) if lat else float('nan'):.3f} s, "
       f"replica aborted requests {rows[-1].get('async/replica_aborted', 0):.0f}")
 PY
+
+RUN=gpu-check-li2sao-hybrid
+step "short async Li2SAO run: rollout.mode=hybrid (hf engine inside the train rank, on the GPU)"
+PYTHONUNBUFFERED=1 timeout 80 python -m async_rl.train --config-name demo trainer.workers=ray \
+  trainer.scheduler=concurrent trainer.device=cuda rollout.mode=hybrid \
+  model.dir=outputs/gpu_check/tiny-demo-h256 model.hidden_size=256 algorithm.train_batch_trajectories=16 \
+  trainer.driver.total_steps=8 trainer.wandb=false trainer.run_name=$RUN trainer.output_dir=outputs/gpu_check \
+  || fail "async Li2SAO run, hybrid hf on CUDA"
 
 step "done (exit status $FAILED)"
 exit $FAILED

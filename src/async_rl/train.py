@@ -279,7 +279,9 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
         if repr(value) != repr(given.get(key)):  # repr: 100 and 100.0 differ, also inside model.sft
             OmegaConf.update(cfg, key, value, merge=False)
     try:  # rollout replicas (conf/rollout/default.yaml), used by trainer.workers=ray
-        ReplicaSettings.from_config(cfg.get("rollout"))
+        rollout = ReplicaSettings.from_config(cfg.get("rollout"))
+        if trainer.get("workers") == "ray":
+            rollout.check_placement(int(trainer.get("train_workers", 1)))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     checkpoints = Path(trainer.get("output_dir", "outputs")) / trainer.get("run_name", "run") / "checkpoints"

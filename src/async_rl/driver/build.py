@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from async_rl.config import AlgorithmConfig
-from async_rl.driver.driver import DeterministicDriver, DriverConfig
+from async_rl.driver.driver import DeterministicDriver, DriverConfig, weights_for_engine
 from async_rl.driver.episode import ChatFormatter, EpisodeLimits
 from async_rl.driver.learner import Learner
 from async_rl.driver.prompts import PromptStream
@@ -130,6 +130,8 @@ def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerCo
     from async_rl.workers.placement import ensure_ray, make_worker_groups
 
     spec.rollout.validate()  # before any worker starts
+    spec.rollout.check_placement(spec.train_workers)
+    hybrid = spec.rollout.mode == "hybrid"
     ensure_ray(num_cpus=spec.ray_num_cpus or spec.train_workers + _replica_cpus(spec) + 2, log_to_driver=False)
     critic_optim = OptimizerConfig(lr=algo.critic_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0)
     sapo = algo.name == "sapo"
@@ -138,9 +140,14 @@ def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerCo
     if sapo:  # every rank resolves the same reserved ids from the checkpoint's tokenizer (SapoWorker.init_model)
         actor_kwargs.update(reserved=list(algo.sapo_reserved_tokens), tau_v=algo.sapo_tau_v, r_max=algo.sapo_r_max,
                             kl_coef=algo.sapo_kl_coef)
+    # hybrid: a RolloutWorker fused into every train rank (the "colocated" placement) serves that rank's replica;
+    # standalone: train ranks only, the replicas get their own processes in _rollout_replicas
     groups = make_worker_groups(
-        "disaggregated", spec.train_workers, 0, spec.model_path,
+        "colocated" if hybrid else "disaggregated", spec.train_workers, None if hybrid else 0, spec.model_path,
         actor_kwargs=actor_kwargs,
+        # hybrid replicas keep their own weight copy (RolloutWorker.hybrid_info says why)
+        rollout_kwargs={"torch_threads": torch.get_num_threads() if spec.device == "cpu" else None,
+                        "share_actor_weights": False},
         critic_kwargs={"optim": critic_optim, "freeze_attention": algo.freeze_critic_attention,
                        "training": spec.training},
         with_critic=algo.use_critic and not sapo, actor_worker="sapo" if sapo else "actor",
@@ -158,6 +165,8 @@ def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerCo
 def _replica_cpus(spec: RunSpec) -> int:
     import math
 
+    if spec.rollout.mode == "hybrid":
+        return 0  # the replicas run inside the train ranks
     return math.ceil(float(spec.rollout.cpus_per_replica) * int(spec.rollout.replicas))
 
 
@@ -168,25 +177,32 @@ def _rollout_replicas(spec: RunSpec, actor):
 
     from transformers import AutoConfig
 
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.client import ReplicaPool, attach_checkpoint_manager, launch_replicas
 
     model_config = AutoConfig.from_pretrained(spec.model_path)
     settings = spec.rollout
     settings.validate()
+    groups = getattr(actor, "worker_groups", None)
+    hybrid = settings.mode == "hybrid"
     replicas = launch_replicas(settings.engine, int(settings.replicas), spec.model_path, device=spec.device,
                                torch_threads=torch.get_num_threads() if spec.device == "cpu" else None,
-                               chunk_tokens=int(settings.chunk_tokens), num_cpus=float(settings.cpus_per_replica))
+                               chunk_tokens=int(settings.chunk_tokens), num_cpus=float(settings.cpus_per_replica),
+                               mode=settings.mode, worker_group=groups.process_groups[0] if hybrid else None,
+                               checkpoint_backend=settings.checkpoint_backend)
     pool = ReplicaPool(replicas, settings.engine, on_replica_failure=settings.on_replica_failure,
                        health_timeout_s=float(settings.health_timeout_s),
                        vocab_size=getattr(model_config, "vocab_size", None))
-    groups = getattr(actor, "worker_groups", None)
     if groups is not None:
         groups.rollout_pool = pool  # WorkerGroups.shutdown() stops the replicas too
+    if settings.weight_sync == "checkpoint_manager":  # verl's CheckpointEngineManager moves every publication
+        attach_checkpoint_manager(pool, groups.actor, backend=settings.checkpoint_backend)
     pool.max_positions = getattr(model_config, "max_position_embeddings", None)
-    if settings.engine == "hf":  # vLLM/SGLang load the same checkpoint; their updates go through verl's engines
-        pool.update_weights(actor.publish_weights(0), 0)
-    print(f"rollout: {len(replicas)} {settings.engine} replica(s), pids {pool.pids} (driver pid {os.getpid()})",
-          flush=True)
+    if settings.engine == "hf" or pool.checkpoint_manager is not None:
+        # the replicas start from the actor's weights (vLLM/SGLang through the pool load the same checkpoint)
+        pool.update_weights(weights_for_engine(actor, pool, 0), 0)
+    where = "inside the train ranks" if hybrid else "in their own processes"
+    print(f"rollout: {len(replicas)} {settings.engine} replica(s) {where} ({settings.mode}), pids {pool.pids} "
+          f"(driver pid {os.getpid()})", flush=True)
     return pool
 
 

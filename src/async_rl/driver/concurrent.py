@@ -39,7 +39,13 @@ import torch
 
 from async_rl.driver.buffer import TrajectoryBuffer
 from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, write_checkpoint
-from async_rl.driver.driver import DriverConfig, RunStats, choose_prefetched_job, take_last_bootstrap_batch
+from async_rl.driver.driver import (
+    DriverConfig,
+    RunStats,
+    choose_prefetched_job,
+    take_last_bootstrap_batch,
+    weights_for_engine,
+)
 from async_rl.driver.learner import Learner
 from async_rl.driver.rollout_manager import RolloutManager
 from async_rl.driver.trajectory import Trajectory
@@ -191,13 +197,7 @@ class ConcurrentDriver:
                 self._ready.wait(timeout=0.5)
 
     def _weights_for_publication(self) -> dict:
-        """The new weights as the engine takes them: rollout replicas (``ReplicaPool``) take the handle of actor
-        rank 0's ``ray.put`` (the weights go from the object store to each replica, never through the driver);
-        the in-driver engine takes the state dict."""
-        actor = self.learner.actor
-        if getattr(self.rollout.engine, "accepts_published_weights", False) and hasattr(actor, "publish_weights"):
-            return actor.publish_weights(self.learner.policy_version)
-        return actor.export_weights()
+        return weights_for_engine(self.learner.actor, self.rollout.engine, self.learner.policy_version)
 
     def _publish(self, weights: Optional[dict]) -> None:
         if weights is not None:
@@ -325,7 +325,9 @@ class ConcurrentDriver:
         shards = state.get("shards") or {}
         self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
         self.buffer.load_state_dict(state["buffer"])
-        self.rollout.engine.update_weights(self.learner.actor.export_weights(), state["engine_version"])
+        engine_version = state["engine_version"]
+        self.rollout.engine.update_weights(weights_for_engine(self.learner.actor, self.rollout.engine, engine_version),
+                                           engine_version)
         self.rollout.load_state_dict(state["rollout"])
         self.history = list(state["history"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -76,6 +76,23 @@ class DriverConfig:
                               f"batch ({batch_size} trajectories)")
 
 
+def weights_for_engine(actor, engine, version: int):
+    """The new weights in the form ``engine.update_weights`` takes them, moved as little as possible.
+
+    A pool that gets the weights itself (``engine.takes_version_only``: replicas inside the train ranks,
+    ``rollout.mode=hybrid``, copy them in memory; verl's checkpoint manager pulls them from the actor ranks) is sent
+    only the version. Other replicas (``ReplicaPool``) take the handle of actor rank 0's ``ray.put`` (the weights go
+    from the object store to each replica, never through the driver). The in-driver engine takes the state dict.
+    """
+    if getattr(engine, "takes_version_only", False):
+        from async_rl.rollout.checkpoint_engine import in_process_handle
+
+        return in_process_handle(version)
+    if getattr(engine, "accepts_published_weights", False) and hasattr(actor, "publish_weights"):
+        return actor.publish_weights(version)
+    return actor.export_weights()
+
+
 def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
                           group_size: int) -> set[str]:
     """Li2SAO switch, step 1: the prefetched job = the oldest groups, ready first, then buffered partial
@@ -244,7 +261,9 @@ class DeterministicDriver:
         self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
         self.buffer.load_state_dict(state["buffer"])
         # the rollout runs the published weights: the learner's, at the checkpoint
-        self.rollout.engine.update_weights(self.learner.actor.export_weights(), state["engine_version"])
+        engine_version = state["engine_version"]
+        self.rollout.engine.update_weights(weights_for_engine(self.learner.actor, self.rollout.engine, engine_version),
+                                           engine_version)
         self.rollout.load_state_dict(state["rollout"])
         self.history = list(state["history"])
         self.publish = None
@@ -296,7 +315,8 @@ class DeterministicDriver:
             self.learner.switch_to_single_rollout()
             self._last_bootstrap = False
         updated = metrics["actor/updated"] > 0
-        weights = self.learner.actor.export_weights() if updated else None
+        weights = weights_for_engine(self.learner.actor, self.rollout.engine, self.learner.policy_version) \
+            if updated else None
         self.publish = _Publish(weights, self.learner.policy_version, self.clock + self.cfg.update_ticks)
         if metrics.get("li2sao/gate_opened"):
             self._begin_switch()

@@ -8,11 +8,20 @@ module registers that transport under the name ``"ray_object_store"`` the same w
 engines (``@CheckpointEngineRegistry.register``), so ``CheckpointEngineRegistry.new("ray_object_store")``
 works and the GPU path can keep using verl's ``"nccl"`` engine unchanged.
 
-There is no process group to build: :meth:`build_topology` only numbers the workers, and the
-"connection" is the published handle ``{"version": v, "ref": [ObjectRef]}`` (the ref is wrapped in a list
-so Ray does not resolve it while the handle is passed around). The trainer side calls
-:meth:`send_weights` (or reuses ``ActorWorker.publish_weights``, which returns the same handle); a
-receiver calls :meth:`set_source` with the handle, then iterates :meth:`receive_weights`.
+Two ways to use it:
+
+* **Handed over by the driver** (``ReplicaPool``'s own update): the "connection" is the published handle
+  ``{"version": v, "ref": [ObjectRef]}`` (the ref is wrapped in a list so Ray does not resolve it while the
+  handle is passed around). The trainer side calls :meth:`send_weights` (or reuses
+  ``ActorWorker.publish_weights``, which returns the same handle); a receiver calls :meth:`set_source` with the
+  handle, then iterates :meth:`receive_weights`.
+* **Inside verl's ``CheckpointEngineManager``** (the protocol its NCCL engine follows, unchanged): the manager
+  calls ``prepare`` on every worker, :meth:`build_topology` in its own process, ``init_process_group`` with the
+  topology, then ``send_weights`` on every actor rank and ``receive_weights`` on every rollout worker at the same
+  time, then ``finalize``. The "process group" is a small mailbox actor (:class:`WeightMailbox`, named in the
+  topology with a fresh transfer id): actor rank 0 posts the handle of its ``ray.put``, the receivers wait for
+  the handle of that transfer and check its version. Ranks other than 0 only walk the weights generator (producing each weight is collective
+  over the FSDP ranks), as verl's engines do.
 """
 
 from __future__ import annotations
@@ -32,6 +41,12 @@ def published_handle(version: int, ref: ray.ObjectRef) -> dict[str, Any]:
     return {"version": int(version), "ref": [ref]}
 
 
+def in_process_handle(version: int) -> dict[str, Any]:
+    """What a publication sends to replicas that read the weights in memory (``rollout.mode=hybrid``): only the
+    version; each replica takes its train rank's current weights."""
+    return {"version": int(version), "in_process": True}
+
+
 def check_published_handle(published: Any, version: Optional[int] = None) -> ray.ObjectRef:
     """Validate a published handle and return its ObjectRef; ``version`` (if given) must match."""
     if not (isinstance(published, Mapping) and "version" in published and "ref" in published):
@@ -47,6 +62,43 @@ def check_published_handle(published: Any, version: Optional[int] = None) -> ray
     return refs[0]
 
 
+class WeightMailbox:
+    """The meeting point of manager-driven transfers (a Ray async actor, no CPU): the handle of the latest one.
+
+    Each topology names a fresh transfer id, so a receiver never takes a handle left by an earlier transfer (a
+    failed attempt, or another run whose sender is gone)."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._transfer: Optional[str] = None
+        self._handle: Optional[dict[str, Any]] = None
+        self._posted = asyncio.Condition()
+
+    async def ping(self) -> bool:
+        return True
+
+    async def post(self, transfer: str, handle: dict[str, Any]) -> None:
+        async with self._posted:
+            self._transfer, self._handle = transfer, handle  # the previous transfer's handle is dropped
+            self._posted.notify_all()
+
+    async def take(self, transfer: str, timeout_s: float) -> dict[str, Any]:
+        """The handle posted for ``transfer``, waiting up to ``timeout_s`` for it."""
+        import asyncio
+
+        async with self._posted:
+            try:
+                await asyncio.wait_for(self._posted.wait_for(lambda: self._transfer == transfer), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no weights were posted for transfer {transfer} within {timeout_s:g} s; did "
+                                   f"actor rank 0 run send_weights?") from None
+            return self._handle
+
+
+_MAILBOX_NAME = "async_rl_weight_mailbox_{}"
+
+
 @CheckpointEngineRegistry.register(BACKEND_NAME)
 class ObjectStoreCheckpointEngine(CheckpointEngine):
     """verl checkpoint engine whose transport is the Ray object store (CPU, one node or many).
@@ -57,10 +109,16 @@ class ObjectStoreCheckpointEngine(CheckpointEngine):
         is_master: unused, as above.
     """
 
-    def __init__(self, bucket_size: int = 0, is_master: bool = False) -> None:
+    _mailboxes: dict[str, Any] = {}  # created by build_topology in the manager's process, kept alive there
+
+    def __init__(self, bucket_size: int = 0, is_master: bool = False, receive_timeout_s: float = 600.0) -> None:
         self.bucket_size = bucket_size
         self.is_master = is_master
+        self.receive_timeout_s = float(receive_timeout_s)
         self.rank: Optional[int] = None
+        self.num_senders = 0
+        self._mailbox = None
+        self._transfer: Optional[str] = None
         self._source: Optional[dict[str, Any]] = None
 
     def prepare(self) -> dict[str, Any]:
@@ -70,24 +128,54 @@ class ObjectStoreCheckpointEngine(CheckpointEngine):
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        world = actor_wg_world_size + rollout_world_size
-        return ({"rank": list(range(actor_wg_world_size))},
-                {"rank": list(range(actor_wg_world_size, world))})
+        """Ranks 0..A-1 are the actor ranks (0 sends), A.. the rollout workers; all meet at one mailbox actor."""
+        import os
 
-    def init_process_group(self, rank: int = 0, **kwargs) -> None:
+        name = _MAILBOX_NAME.format(os.getpid())
+        mailbox = cls._mailboxes.get(name)  # one per manager process, reused by every update; this handle keeps
+        try:                                # it alive (ray.get_actor handles do not)
+            if mailbox is None:
+                raise ValueError("no mailbox yet")
+            ray.get(mailbox.ping.remote(), timeout=30)
+        except Exception:  # none yet, or it belonged to an earlier Ray session
+            cls._mailboxes[name] = ray.remote(WeightMailbox).options(name=name, num_cpus=0).remote()
+        import uuid
+
+        world = actor_wg_world_size + rollout_world_size
+        transfer = uuid.uuid4().hex
+
+        def kwargs(ranks: list[int]) -> dict[str, list[Any]]:
+            n = len(ranks)
+            return {"rank": ranks, "mailbox": [name] * n, "transfer": [transfer] * n,
+                    "num_senders": [actor_wg_world_size] * n}
+        return kwargs(list(range(actor_wg_world_size))), kwargs(list(range(actor_wg_world_size, world)))
+
+    def init_process_group(self, rank: int = 0, mailbox: Optional[str] = None, transfer: Optional[str] = None,
+                           num_senders: int = 0, **kwargs) -> None:
         self.rank = int(rank)
+        self.num_senders = int(num_senders)
+        self._transfer = transfer
+        self._mailbox = ray.get_actor(mailbox) if mailbox else None
 
     def finalize(self) -> None:
         # drop our reference so the object store can free the old version once every replica loaded it
         self._source = None
+        self._mailbox = None
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                            global_steps: int | None = None) -> dict[str, Any]:
-        """Put one CPU state dict in the object store; returns the published handle for the receivers."""
+        """Put one CPU state dict in the object store; returns the published handle for the receivers (and, inside
+        verl's manager, posts it to the mailbox). Actor ranks other than 0 only walk the generator."""
         items = weights.items() if isinstance(weights, Mapping) else weights
+        if self._mailbox is not None and self.rank != 0:
+            for _ in items:  # each weight may be a collective over the actor ranks: take part, send nothing
+                pass
+            return {}
         state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in items}
         handle = published_handle(0 if global_steps is None else global_steps, ray.put(state))
         self._source = handle
+        if self._mailbox is not None:
+            await self._mailbox.post.remote(self._transfer, handle)
         return handle
 
     def set_source(self, published: dict[str, Any]) -> None:
@@ -97,6 +185,8 @@ class ObjectStoreCheckpointEngine(CheckpointEngine):
 
     def receive_weights(self, global_steps: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` from the published state dict (a zero-copy view of shared memory)."""
+        if self._source is None and self._mailbox is not None:  # inside verl's manager: wait for rank 0's post
+            self._source = ray.get(self._mailbox.take.remote(self._transfer, self.receive_timeout_s))
         if self._source is None:
             raise RuntimeError("receive_weights() before set_source(published): nothing was published")
         ref = check_published_handle(self._source, global_steps)

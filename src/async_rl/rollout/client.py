@@ -44,7 +44,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
-from async_rl.rollout.checkpoint_engine import check_published_handle, published_handle
+from async_rl.rollout.checkpoint_engine import check_published_handle, in_process_handle, published_handle
 from async_rl.rollout.replica import ReplicaBrokenError, sampling_to_server_dict, token_output_to_generation
 
 logger = logging.getLogger(__name__)
@@ -97,14 +97,18 @@ class ReplicaPool:
         call_timeout_s: deadline of loading one weight version on every replica.
         on_replica_failure: "continue" (go on with the others) | "stop" (raise :class:`ReplicaFailure`).
         vocab_size: needed only to turn banned ids into vLLM/SGLang allow-lists.
+        checkpoint_manager: verl's ``CheckpointEngineManager`` over the actor worker group and these replicas
+            (``rollout.weight_sync=checkpoint_manager``): each update is then verl's own protocol (abort, release
+            the KV cache, build the engine's topology, actor ranks send / replicas receive, finalize, resume),
+            with the configured backend (NCCL on GPU, ``ray_object_store`` on CPU). None: the pool's own update.
     """
 
-    accepts_published_weights = True  # the concurrent driver may hand over ActorWorker.publish_weights handles
+    accepts_published_weights = True  # the drivers may hand over ActorWorker.publish_weights handles
 
     def __init__(self, replicas: Sequence[Any], engine: str = "hf", *, initial_version: int = 0,
                  poll_s: float = 0.02, health_check_s: float = 2.0, health_timeout_s: float = 30.0,
                  call_timeout_s: float = 600.0, on_replica_failure: str = "continue",
-                 vocab_size: Optional[int] = None) -> None:
+                 vocab_size: Optional[int] = None, checkpoint_manager: Optional[Any] = None) -> None:
         if not replicas:
             raise ValueError("ReplicaPool needs at least one launched replica (rollout.replicas >= 1)")
         if on_replica_failure not in FAILURE_POLICIES:
@@ -135,7 +139,21 @@ class ReplicaPool:
                          "driver_aborted": 0, "wasted_tokens": 0, "weight_updates": 0}
         self.update_latencies_s: list[float] = []
         self.max_positions: Optional[int] = None  # the model's context, read by the builder (Episode limits)
+        # rollout.mode=hybrid: every replica runs inside a train rank and reads the actor's weights in memory, so a
+        # publication moves no weights (async_rl.driver.driver.weights_for_engine sends only the version)
+        self.weights_in_process = all(getattr(r, "rollout_mode", None) is not None and
+                                      getattr(r.rollout_mode, "value", None) == "hybrid" for r in self.replicas)
+        self.checkpoint_manager = checkpoint_manager
+        if checkpoint_manager is not None and self.weights_in_process:
+            raise ValueError("hybrid replicas sync in memory; a checkpoint manager has nothing to move "
+                             "(rollout.weight_sync=pool with rollout.mode=hybrid)")
         self.pids = self._ask_pids()
+
+    @property
+    def takes_version_only(self) -> bool:
+        """True when the pool gets the weights itself -- hybrid replicas from their train rank's memory, verl's
+        checkpoint manager from the actor ranks -- so a publication hands over only the version."""
+        return self.weights_in_process or self.checkpoint_manager is not None
 
     # ------------------------------------------------------------------ the engine interface
     @property
@@ -220,14 +238,25 @@ class ReplicaPool:
     def update_weights(self, weights: Mapping[str, torch.Tensor] | dict[str, Any], version: int) -> None:
         """Pause every replica, load ``weights`` (a state dict or a published handle) as ``version``, resume.
 
-        Requests keep their tokens; tokens sampled from now on carry ``version``.
+        Requests keep their tokens; tokens sampled from now on carry ``version``. When the pool gets the weights
+        itself (:attr:`takes_version_only`: hybrid replicas copy them from their train rank, verl's checkpoint
+        manager pulls them from the actor ranks) ``weights`` is not read.
         """
-        if isinstance(weights, Mapping) and "ref" in weights and "version" in weights:
+        if self.checkpoint_manager is not None:  # whatever was given: verl's manager pulls from the actor ranks
+            started = time.perf_counter()
+            self._update_through_manager(int(version))
+            self.counters["weight_updates"] += 1
+            self.update_latencies_s.append(time.perf_counter() - started)
+            return
+        if self.weights_in_process:
+            published = in_process_handle(version)  # whatever was given: the replicas sync from their train rank
+        elif isinstance(weights, Mapping) and "ref" in weights and "version" in weights:
             published = dict(weights)
         else:
             items = weights.items() if isinstance(weights, Mapping) else weights
             published = published_handle(version, ray.put({k: v.detach().cpu().contiguous() for k, v in items}))
-        check_published_handle(published, version)
+        if not self.weights_in_process:
+            check_published_handle(published, version)
         started = time.perf_counter()
         if self.engine_name == "hf":
             # a pause or a resume takes at most one decode chunk: a replica slower than a ping is hung
@@ -298,13 +327,22 @@ class ReplicaPool:
     def _server(self, index: int):
         return self.replicas[index].servers[0]
 
+    def _ping(self, index: int) -> ray.ObjectRef:
+        """A health probe: the hf servers' ``ping`` (with the decode loop's stall time); verl's vLLM/SGLang servers
+        have no ping, so any actor call answers for their liveness."""
+        server = self._server(index)
+        if self.engine_name == "hf":
+            return server.ping.remote()
+        return server.__ray_call__.remote(lambda actor: {"pid": __import__("os").getpid(), "stalled_s": 0.0})
+
     def _ask_pids(self) -> list[Optional[int]]:
         pids: list[Optional[int]] = []
         for index in range(len(self.replicas)):
             server = self._server(index)
-            try:
-                pids.append(int(ray.get(server.__ray_call__.remote(lambda actor: __import__("os").getpid()),
-                                        timeout=self.health_timeout_s)))
+            try:  # the hf servers say where their engine runs (a train rank's process in hybrid mode)
+                ref = server.get_pid.remote() if self.engine_name == "hf" else \
+                    server.__ray_call__.remote(lambda actor: __import__("os").getpid())
+                pids.append(int(ray.get(ref, timeout=self.health_timeout_s)))
             except Exception:  # a replica that does not answer is caught by the health check
                 pids.append(None)
         return pids
@@ -425,6 +463,38 @@ class ReplicaPool:
         finally:
             asyncio.run(phase([self.replicas[i].resume_generation() for i in alive]))
 
+    def _update_through_manager(self, version: int) -> None:
+        """One update by verl's ``CheckpointEngineManager`` over the live replicas, under a deadline. If it fails or
+        hangs, every live replica is pinged: those that do not answer within ``health_timeout_s`` are failed (and
+        killed, which also unblocks the manager's pending calls) and the update is retried once without them."""
+        last_error: Optional[str] = None
+        for _ in range(2):
+            live = [i for i, ok in enumerate(self.alive) if ok]
+            self.checkpoint_manager.replicas = [self.replicas[i] for i in live]
+            last_error = _run_with_deadline(lambda: self.checkpoint_manager.update_weights(global_steps=version),
+                                            self.call_timeout_s)
+            if last_error is None:
+                self._version = version
+                return
+            failed = self._probe_replicas(live)
+            if not failed:
+                break  # every replica answers: the failure is not theirs (e.g. the actor ranks)
+        raise RuntimeError(f"verl's checkpoint manager failed to move version {version} to the replicas: {last_error}")
+
+    def _probe_replicas(self, indices: list[int]) -> list[int]:
+        """Ping these replicas; fail those that do not answer within ``health_timeout_s``. Returns the failed."""
+        refs = {self._ping(i): i for i in indices}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.health_timeout_s)
+        failed = [refs[ref] for ref in pending]
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except (RayActorError, RayTaskError):
+                failed.append(refs[ref])
+        for index in sorted(failed):
+            self._queue_failure(index, "no answer to a ping after a failed weight update (dead or hung)")
+        return failed
+
     def _check_health(self) -> list[GenerationOutput]:
         now = time.monotonic()
         outputs: list[GenerationOutput] = []
@@ -450,7 +520,7 @@ class ReplicaPool:
                     outputs += self._replica_failed(index, f"no answer to a ping within {self.health_timeout_s:g} s "
                                                            f"(hung)")
             elif now - self._last_ping[index] >= self.health_check_s:
-                self._pings[index] = (self._server(index).ping.remote(), now)
+                self._pings[index] = (self._ping(index), now)
                 self._last_ping[index] = now
         return outputs
 
@@ -495,6 +565,26 @@ class ReplicaPool:
 
 
 ROLLOUT_MODES = ("standalone", "hybrid")
+WEIGHT_SYNCS = ("pool", "checkpoint_manager")
+
+
+def _run_with_deadline(call, timeout_s: float) -> Optional[str]:
+    """Run ``call`` in a daemon thread; None if it returned in time, else what went wrong (one line)."""
+    outcome: dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            call()
+        except BaseException as error:  # reported to the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="async_rl-weight-sync", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return f"no answer within {timeout_s:g} s (hung)"
+    error = outcome.get("error")
+    return None if error is None else f"{type(error).__name__}: {first_line(error)}"
 
 
 @dataclass
@@ -503,11 +593,13 @@ class ReplicaSettings:
 
     engine: str = "hf"  # hf (transformers, CPU/CUDA) | vllm | sglang (verl's replicas, GPU)
     replicas: int = 1  # rollout replicas, one process each
-    mode: str = "standalone"  # standalone: own resources (disaggregated) | hybrid: not implemented yet
+    mode: str = "standalone"  # standalone: own processes and resources | hybrid: inside the train ranks (hf)
     chunk_tokens: int = 4  # hf: tokens per decode chunk (a weight update or new request waits at most one chunk)
     cpus_per_replica: float = 1.0  # logical Ray CPUs each replica reserves
     on_replica_failure: str = "continue"  # continue with the other replicas | stop with an error
     health_timeout_s: float = 30.0  # a replica that leaves a ping unanswered this long is declared hung
+    weight_sync: str = "pool"  # pool: the pool's own pause/load/resume | checkpoint_manager: verl's manager
+    checkpoint_backend: str = "ray_object_store"  # verl checkpoint engine moving the weights (nccl on GPU)
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> "ReplicaSettings":
@@ -527,6 +619,13 @@ class ReplicaSettings:
         settings.validate()
         return settings
 
+    def check_placement(self, train_workers: int) -> None:
+        """Rules that also need ``trainer.train_workers``: hybrid puts one replica in every train rank."""
+        if self.mode == "hybrid" and int(self.replicas) != int(train_workers):
+            raise ValueError(f"rollout.mode=hybrid puts one replica in every train rank: rollout.replicas="
+                             f"{self.replicas} but trainer.train_workers={train_workers}; set them equal (or use "
+                             f"rollout.mode=standalone for replicas on their own resources)")
+
     def validate(self) -> None:
         from async_rl.rollout.replica import ENGINE_NAMES
 
@@ -536,9 +635,10 @@ class ReplicaSettings:
             raise ValueError(f"rollout.replicas must be >= 1, got {self.replicas}")
         if self.mode not in ROLLOUT_MODES:
             raise ValueError(f"rollout.mode={self.mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
-        if self.mode == "hybrid":
-            raise ValueError("rollout.mode=hybrid (rollout sharing the training processes) is not implemented yet; "
-                             "use rollout.mode=standalone")
+        if self.mode == "hybrid" and self.engine != "hf":
+            raise ValueError(f"rollout.mode=hybrid runs the hf engine inside the train workers; verl's {self.engine} "
+                             f"hybrid engine needs verl's own ActorRolloutRefWorker, which async_rl does not use. Use "
+                             f"rollout.engine=hf, or rollout.mode=standalone with {self.engine}")
         if int(self.chunk_tokens) < 1:
             raise ValueError(f"rollout.chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if float(self.cpus_per_replica) < 0:
@@ -548,31 +648,92 @@ class ReplicaSettings:
                              f"{', '.join(FAILURE_POLICIES)}")
         if float(self.health_timeout_s) <= 0:
             raise ValueError(f"rollout.health_timeout_s must be > 0, got {self.health_timeout_s}")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"rollout.weight_sync={self.weight_sync!r}; valid choices: {', '.join(WEIGHT_SYNCS)}")
+        if not isinstance(self.checkpoint_backend, str) or not self.checkpoint_backend:
+            raise ValueError("rollout.checkpoint_backend must name a verl checkpoint engine, e.g. ray_object_store "
+                             "or nccl")
+        if self.weight_sync == "pool" and self.checkpoint_backend != "ray_object_store":
+            raise ValueError(f"rollout.checkpoint_backend={self.checkpoint_backend}: the pool's own update moves "
+                             f"weights through the Ray object store; set rollout.weight_sync=checkpoint_manager to "
+                             f"use verl's {self.checkpoint_backend} engine")
+        if self.mode == "hybrid" and self.weight_sync != "pool":
+            raise ValueError("rollout.mode=hybrid copies the weights in memory inside each train rank; "
+                             "rollout.weight_sync=checkpoint_manager has nothing to move there (use pool)")
+
+
+def attach_checkpoint_manager(pool: ReplicaPool, actor_group: Any, backend: str = "ray_object_store",
+                              bucket_megabytes: int = 2048) -> Any:
+    """Give ``pool`` verl's ``CheckpointEngineManager`` over ``actor_group`` (an ActorWorker/SapoWorker worker group)
+    and its replicas (``rollout.weight_sync=checkpoint_manager``); returns the manager.
+
+    Every actor rank gets a ``backend`` sender (``ActorWorker.init_checkpoint_engine``); the replicas' receivers were
+    made with the same backend by :func:`launch_replicas` (``checkpoint_backend=``)."""
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.workers.config import CheckpointEngineConfig
+
+    from async_rl.rollout.checkpoint_engine import BACKEND_NAME, ObjectStoreCheckpointEngine
+
+    if pool.weights_in_process:
+        raise ValueError("hybrid replicas sync in memory; a checkpoint manager has nothing to move")
+    module = "async_rl.rollout.checkpoint_engine"
+    actor_group.init_checkpoint_engine(backend, int(bucket_megabytes), None, module)
+    config = CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=int(bucket_megabytes),
+                                    custom_backend_module=module)
+    manager = CheckpointEngineManager(config, actor_group, list(pool.replicas))
+    if backend == BACKEND_NAME:
+        ObjectStoreCheckpointEngine.build_topology(0, 0, [])  # start the mailbox actor now, not in the first update
+    pool.checkpoint_manager = manager
+    return manager
 
 
 def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: str = "cpu",
                     dtype: Optional[str] = None, torch_threads: Optional[int] = 1, chunk_tokens: int = 4,
                     num_cpus: float = 1.0, max_model_len: Optional[int] = None,
-                    name_prefix: str = "async_rl") -> list[Any]:
-    """Build ``num_replicas`` replicas of ``engine`` through verl's registry and start them (standalone)."""
+                    name_prefix: str = "async_rl", mode: str = "standalone",
+                    worker_group: Optional[Any] = None, checkpoint_backend: str = "ray_object_store",
+                    checkpoint_bucket_megabytes: int = 2048) -> list[Any]:
+    """Build ``num_replicas`` replicas of ``engine`` through verl's registry and start them.
+
+    ``mode="standalone"``: each replica in its own process(es) (``init_standalone``). ``mode="hybrid"`` (hf only):
+    replica ``r`` serves the rollout engine fused into train rank ``r`` of ``worker_group`` (verl's
+    ``init_hybrid``; the fused group of ``make_worker_groups("colocated", ...)``), so ``num_replicas`` must equal
+    its world size; ``device``/``dtype``/``num_cpus`` are then the train workers' own.
+    """
     from verl.workers.config import HFModelConfig, RolloutConfig
 
     from async_rl.rollout.replica import HFReplica, replica_class
 
     if num_replicas < 1:
         raise ValueError(f"rollout.replicas must be >= 1, got {num_replicas}")
+    if mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout.mode={mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
+    if mode == "hybrid":
+        if worker_group is None:
+            raise ValueError("rollout.mode=hybrid needs the train worker group the replicas live in (worker_group=)")
+        ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode).validate()  # hf only, with the reason
+        ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode).check_placement(len(worker_group.workers))
     cls = replica_class(engine)
     from verl.workers.config import CheckpointEngineConfig
 
     from async_rl.rollout.checkpoint_engine import BACKEND_NAME
 
-    # vLLM/SGLang replicas receive weights in their CheckpointEngineWorker through our object-store engine;
+    # vLLM/SGLang replicas receive weights in their CheckpointEngineWorker through the configured engine (ours by default);
     # custom_backend_module makes verl import (and so register) it inside those workers
-    checkpoint = CheckpointEngineConfig(backend=BACKEND_NAME,
+    checkpoint = CheckpointEngineConfig(backend=checkpoint_backend or BACKEND_NAME,
+                                        update_weights_bucket_megabytes=int(checkpoint_bucket_megabytes),
                                         custom_backend_module="async_rl.rollout.checkpoint_engine")
     config = RolloutConfig(name=engine, mode="async", tensor_model_parallel_size=1, data_parallel_size=1,
                            pipeline_model_parallel_size=1, max_model_len=max_model_len, checkpoint_engine=checkpoint)
     model_config = HFModelConfig(path=str(model_path))
+    if mode == "hybrid":
+        replicas = [cls(rank, config, model_config, chunk_tokens=chunk_tokens, name_prefix=name_prefix)
+                    for rank in range(num_replicas)]
+
+        async def start_hybrid() -> None:
+            await asyncio.gather(*[replica.init_hybrid(worker_group) for replica in replicas])
+        asyncio.run(start_hybrid())
+        return replicas
     if cls is HFReplica or issubclass(cls, HFReplica):
         free = ray.available_resources().get("CPU", 0.0)
         if free + 1e-9 < num_replicas * num_cpus:
@@ -591,5 +752,5 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
     return replicas
 
 
-__all__ = ["FAILURE_POLICIES", "ROLLOUT_MODES", "ReplicaFailure", "ReplicaPool", "ReplicaSettings", "episode_key",
+__all__ = ["FAILURE_POLICIES", "ROLLOUT_MODES", "WEIGHT_SYNCS", "ReplicaFailure", "attach_checkpoint_manager", "ReplicaPool", "ReplicaSettings", "episode_key",
            "launch_replicas"]

@@ -412,6 +412,15 @@ class HFRolloutEngine(RolloutEngine):
         if error is not None:
             raise error
 
+    def release_cache(self) -> None:
+        """Free the KV cache of the batch in flight; every unfinished sequence keeps its tokens, log-probs and
+        versions and is re-prefilled at the next step (``rollout.mode=hybrid`` sleeps the engine this way
+        before a training step reuses the device). Call between steps."""
+        with self._cond:
+            if self._stepping_thread is not None:
+                raise RuntimeError("release_cache() must be called between step() calls")
+            self._drop_cache_locked()
+
     def pause(self, wait: bool = True) -> None:
         """Hold the decode loop at the next token boundary until :meth:`resume`.
 
@@ -627,8 +636,10 @@ class HFRolloutEngine(RolloutEngine):
             for name, tensor in weights:
                 targets[name].data.copy_(tensor)
         self._version = version
+        self._drop_cache_locked()  # keys/values were computed by the old weights: re-prefill at the next token
+
+    def _drop_cache_locked(self) -> None:
         if self._batch is not None:
-            # Keys/values were computed by the old weights: re-prefill at the next token.
             self._batch.cache = None
             self._batch.attention_mask = self._batch.next_positions = self._batch.last_token_ids = None
 

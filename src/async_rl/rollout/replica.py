@@ -144,6 +144,32 @@ def token_output_to_generation(request: GenerationRequest, out: TokenOutput, ver
                             text=getattr(out, "text", ""), stop_reason=getattr(out, "stop_detail", None))
 
 
+async def _receive_all(engine: Any, version: int) -> list[tuple[str, torch.Tensor]]:
+    """Every ``(name, tensor)`` of one transfer, whether the engine yields them synchronously (the object store,
+    read in a thread) or asynchronously (verl's NCCL engine)."""
+    weights = engine.receive_weights(global_steps=version)
+    if hasattr(weights, "__aiter__"):
+        # an async engine reuses its receive bucket between chunks: copy each tensor out before the next one
+        return [(name, tensor.detach().clone()) async for name, tensor in weights]
+    return await asyncio.to_thread(lambda: list(weights))
+
+
+def versioned_reply(output: GenerationOutput, replica_rank: int, current_version: int) -> VersionedTokenOutput:
+    """An engine's :class:`GenerationOutput` as the server's reply (``global_steps``: the last token's version)."""
+    return VersionedTokenOutput(
+        token_ids=list(output.token_ids), log_probs=list(output.logprobs),
+        stop_reason="aborted" if output.finish_reason == "aborted" else "completed",
+        versions=list(output.versions), finish_reason=output.finish_reason, stop_detail=output.stop_reason,
+        text=output.text,
+        extra_fields={"global_steps": output.versions[-1] if output.versions else int(current_version),
+                      "replica_rank": int(replica_rank)})
+
+
+def empty_output(request: GenerationRequest) -> GenerationOutput:
+    """A request ended "aborted" before its first token."""
+    return GenerationOutput(request.request_id, list(request.prompt_ids), [], [], [], "aborted", "")
+
+
 class HFRolloutServer:
     """One :class:`HFRolloutEngine` behind verl's rollout-server methods (run as a Ray async actor).
 
@@ -158,7 +184,8 @@ class HFRolloutServer:
     """
 
     def __init__(self, model_path: str, replica_rank: int = 0, device: str = "cpu", dtype: Optional[str] = None,
-                 torch_threads: Optional[int] = 1, chunk_tokens: int = 4, initial_version: int = 0) -> None:
+                 torch_threads: Optional[int] = 1, chunk_tokens: int = 4, initial_version: int = 0,
+                 checkpoint_backend: str = BACKEND_NAME, checkpoint_bucket_megabytes: int = 2048) -> None:
         from async_rl.rollout.hf_engine import HFRolloutEngine
 
         if chunk_tokens < 1:
@@ -168,7 +195,16 @@ class HFRolloutServer:
         self.replica_rank = int(replica_rank)
         self.chunk_tokens = int(chunk_tokens)
         self.engine = HFRolloutEngine(str(model_path), device=device, dtype=dtype, initial_version=initial_version)
-        self.checkpoint_engine = ObjectStoreCheckpointEngine()
+        # published handles from the pool's own update always come through the object store; verl's
+        # CheckpointEngineManager drives self.checkpoint_engine (the configured backend, e.g. NCCL on GPU)
+        self._handle_engine = ObjectStoreCheckpointEngine()
+        if checkpoint_backend == BACKEND_NAME:
+            self.checkpoint_engine = ObjectStoreCheckpointEngine()
+        else:
+            from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+            self.checkpoint_engine = CheckpointEngineRegistry.new(checkpoint_backend, is_master=False,
+                                                                  bucket_size=int(checkpoint_bucket_megabytes) << 20)
         self._cond = threading.Condition()
         self._incoming: list[tuple[GenerationRequest, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._waiting: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -224,22 +260,50 @@ class HFRolloutServer:
             self._paused = self._rejecting = False
             self._cond.notify_all()
 
-    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
-        """Load a published state dict (``{"version", "ref": [ObjectRef]}``) through the object-store
-        checkpoint engine and tag later tokens with ``version``. Applied at a token boundary; unfinished
-        requests keep their tokens and are re-prefilled under the new weights."""
+    async def update_weights(self, published: Optional[dict[str, Any]] = None, version: Optional[int] = None,
+                             global_steps: Optional[int] = None) -> dict[str, float]:
+        """Load new weights and tag later tokens with their version; applied at a token boundary, unfinished
+        requests keep their tokens and are re-prefilled under the new weights.
+
+        ``update_weights(published, version)``: the pool's own update, a published handle
+        (``{"version", "ref": [ObjectRef]}``) read through the object store. ``update_weights(global_steps=v)``:
+        verl's ``CheckpointEngineWorker`` call, made by ``CheckpointEngineManager`` after it built the
+        checkpoint engine's topology (``execute_checkpoint_engine``); the weights arrive from the actor ranks
+        through the configured backend."""
         started = time.perf_counter()
-        self.checkpoint_engine.set_source(published)
-        weights = await asyncio.to_thread(lambda: list(self.checkpoint_engine.receive_weights(global_steps=version)))
+        if published is not None:
+            if version is None:
+                raise ValueError("update_weights(published, version): give the version the handle holds")
+            source = self._handle_engine
+            source.set_source(published)
+        elif global_steps is not None:
+            source, version = self.checkpoint_engine, int(global_steps)
+        else:
+            raise ValueError("update_weights needs a published handle and its version, or global_steps=")
+        weights = await _receive_all(source, int(version))
         fetched = time.perf_counter()
 
         def load() -> None:
             self.engine.update_weights(weights, int(version))
         await self._run_in_decode_thread(load)
-        self.checkpoint_engine.finalize()
+        if source is self._handle_engine:
+            source.finalize()
         self.counters["weight_updates"] += 1
         self.last_update_s = time.perf_counter() - started
         return {"fetch_s": fetched - started, "load_s": time.perf_counter() - fetched, "version": int(version)}
+
+    async def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """verl's ``CheckpointEngineWorker.execute_checkpoint_engine``: the server is its own checkpoint-engine
+        worker, because this engine loads weights in its own process."""
+        result = getattr(self.checkpoint_engine, method)(*args, **kwargs)
+        return await result if asyncio.iscoroutine(result) else result
+
+    async def release_kv_cache(self) -> None:
+        """Free the KV cache at the next token boundary (requests keep their tokens; re-prefilled on resume)."""
+        await self._run_in_decode_thread(self.engine.release_cache)
+
+    async def resume_kv_cache(self) -> None:
+        """Nothing to allocate: the KV cache is rebuilt by the next prefill."""
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
         return await self.abort_requests([request_id])
@@ -379,20 +443,13 @@ class HFRolloutServer:
     def _broken_message(self) -> str:
         return f"hf replica {self.replica_rank} (pid {os.getpid()}): its decode loop failed: {self._loop_error}"
 
-    def _empty_output(self, request: GenerationRequest) -> GenerationOutput:
-        return GenerationOutput(request.request_id, list(request.prompt_ids), [], [], [], "aborted", "")
+    _empty_output = staticmethod(empty_output)
 
     def _aborted_reply(self, request: GenerationRequest) -> VersionedTokenOutput:
         return self._reply(self._empty_output(request))
 
     def _reply(self, output: GenerationOutput) -> VersionedTokenOutput:
-        return VersionedTokenOutput(
-            token_ids=list(output.token_ids), log_probs=list(output.logprobs),
-            stop_reason="aborted" if output.finish_reason == "aborted" else "completed",
-            versions=list(output.versions), finish_reason=output.finish_reason, stop_detail=output.stop_reason,
-            text=output.text,
-            extra_fields={"global_steps": output.versions[-1] if output.versions else self.engine.policy_version,
-                          "replica_rank": self.replica_rank})
+        return versioned_reply(output, self.replica_rank, self.engine.policy_version)
 
     async def shutdown(self) -> None:
         with self._cond:
@@ -403,10 +460,11 @@ class HFRolloutServer:
 class HFReplica(RolloutReplica):
     """verl ``RolloutReplica`` for the transformers engine (registered as ``"hf"``).
 
-    Standalone only (``rollout.mode=standalone``: the replica has its own process and resources). verl's
-    ``init_standalone`` asks for GPU bundles and a ``CheckpointEngineWorker``; we override it to launch one
-    :class:`HFRolloutServer` actor with ``num_cpus`` CPUs (and one GPU when ``device="cuda"``), because this
-    engine loads weights in its own process. Tensor/pipeline/data parallelism inside a replica is not
+    ``rollout.mode=standalone`` (:meth:`init_standalone`): verl's version asks for GPU bundles and a
+    ``CheckpointEngineWorker``; we override it to launch one :class:`HFRolloutServer` actor with ``num_cpus``
+    CPUs (and one GPU when ``device="cuda"``), because this engine loads weights in its own process.
+    ``rollout.mode=hybrid`` (verl's :meth:`init_hybrid`, unchanged): the engine is the RolloutWorker fused into
+    a train rank's process and an :class:`~async_rl.rollout.hybrid.HFHybridServer` serves it. Tensor/pipeline/data parallelism inside a replica is not
     supported (one process per replica): ``config.tensor_model_parallel_size`` etc. must be 1.
     """
 
@@ -436,7 +494,13 @@ class HFReplica(RolloutReplica):
         self.rollout_mode = RolloutMode.STANDALONE
         await self.launch_servers()
 
+    # init_hybrid(worker_group) is verl's, unchanged: it keeps this replica's slice of the fused train workers in
+    # self.workers and calls launch_servers, which then starts an HFHybridServer in front of them.
+
     async def launch_servers(self) -> None:
+        if self.rollout_mode == RolloutMode.HYBRID:
+            await self._launch_hybrid_server()
+            return
         model_path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path")
         server_cls = ray.remote(HFRolloutServer)
         server = server_cls.options(
@@ -445,7 +509,9 @@ class HFReplica(RolloutReplica):
             num_gpus=1 if self.device == "cuda" else 0,
         ).remote(str(model_path), replica_rank=self.replica_rank, device=self.device, dtype=self.dtype,
                  torch_threads=self.torch_threads, chunk_tokens=self.chunk_tokens,
-                 initial_version=self.initial_version)
+                 initial_version=self.initial_version,
+                 checkpoint_backend=self.config.checkpoint_engine.backend,
+                 checkpoint_bucket_megabytes=self.config.checkpoint_engine.update_weights_bucket_megabytes)
         try:  # constructor errors (bad model path, ...) surface here; an unschedulable actor must not hang us
             await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
         except asyncio.TimeoutError:
@@ -454,6 +520,38 @@ class HFReplica(RolloutReplica):
                 f"hf replica {self.replica_rank} did not start within {self.start_timeout_s:g} s (it needs "
                 f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; Ray has "
                 f"{ray.available_resources()}); start Ray with more CPUs or lower rollout.cpus_per_replica") from None
+        self.servers = [server]
+        self._server_handle = server
+        self.workers = [server]  # its own checkpoint-engine worker (verl's CheckpointEngineManager talks to it)
+
+    async def _launch_hybrid_server(self) -> None:
+        """``rollout.mode=hybrid``: one :class:`~async_rl.rollout.hybrid.HFHybridServer` (no CPU reserved, on the
+        train rank's node) in front of the RolloutWorker fused into that rank's process."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from async_rl.rollout.hybrid import HFHybridServer
+
+        if len(self.workers) != 1:
+            raise ValueError(f"hybrid hf replica {self.replica_rank} runs on one train rank, got {len(self.workers)}")
+        worker = self.workers[0]
+        node = await worker.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id())
+        server = ray.remote(HFHybridServer).options(
+            name=f"{self.name_prefix}_hf_hybrid_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
+            max_concurrency=self.max_concurrency, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        ).remote(worker, replica_rank=self.replica_rank, chunk_tokens=self.chunk_tokens)
+        try:
+            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(f"hybrid hf replica {self.replica_rank} did not answer within "
+                               f"{self.start_timeout_s:g} s (its train rank is busy or gone)") from None
+        except ReplicaBrokenError as error:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(f"rollout.mode=hybrid: train rank {self.replica_rank} has no rollout engine to serve "
+                               f"({str(error).splitlines()[-1]}); build the train workers with "
+                               f"make_worker_groups('colocated', ...), which fuses a RolloutWorker into every "
+                               f"rank") from error
         self.servers = [server]
         self._server_handle = server
 

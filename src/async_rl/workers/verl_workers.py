@@ -364,6 +364,14 @@ class _RoleWorker(Worker):
         """Another role fused into this process (colocated placement), else ``None``."""
         return (getattr(self, "fused_worker_dict", None) or {}).get(role)
 
+    def _free_colocated_rollout_cache(self) -> None:
+        """A training call is about to use this process's device: the fused rollout engine (colocated placement,
+        ``rollout.mode=hybrid``) drops its KV cache; its requests keep their tokens and are re-prefilled when it
+        runs again (verl's hybrid engine sleeps its rollout the same way around updates)."""
+        engine = getattr(self._sibling("rollout"), "engine", None)
+        if engine is not None:
+            engine.release_cache()
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def ping(self, sleep_s: float = 0.0) -> dict[str, Any]:
         """Health check: who and where this worker is (``sleep_s`` delays the answer)."""
@@ -427,6 +435,7 @@ class ActorWorker(_RoleWorker):
         self.dtype = dtype
         self.role = None
         self.update_count = 0  # optimizer steps taken (a colocated rollout checks it was synced)
+        self.checkpoint_engine = None  # verl checkpoint engine (init_checkpoint_engine), for CheckpointEngineManager
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -460,6 +469,7 @@ class ActorWorker(_RoleWorker):
         """
         self._require_model()
         _check_keys(data, ACTOR_UPDATE_KEYS, "update_actor")
+        self._free_colocated_rollout_cache()
         meta = data.meta_info
         batch = proto_to_batch(data)
         advantages = batch.pop("advantages")
@@ -492,6 +502,52 @@ class ActorWorker(_RoleWorker):
             return None
         return {"version": int(version), "ref": [ray.put(sd)]}
 
+    # ------------------------------------------------ verl's checkpoint-engine worker methods (docs/rollout.md §9)
+    # verl.checkpoint_engine.base.CheckpointEngineManager drives the actor group through exactly these three
+    # (the names and dispatch modes of verl's own ActorRolloutRefWorker), so verl's NCCL engine -- or our object
+    # store engine on CPU -- moves the weights from the train ranks straight into the rollout replicas.
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_checkpoint_engine(self, backend: str, bucket_megabytes: int = 2048,
+                               engine_kwargs: Optional[dict[str, Any]] = None,
+                               custom_backend_module: Optional[str] = None) -> str:
+        """Create this rank's sender of ``backend`` (verl's ``CheckpointEngineRegistry``; rank 0 is the master)."""
+        from verl.checkpoint_engine.base import CheckpointEngineRegistry
+        from verl.utils.import_utils import import_external_libs
+
+        import async_rl.rollout.checkpoint_engine  # noqa: F401  registers "ray_object_store"
+
+        import_external_libs(custom_backend_module or None)
+        self.checkpoint_engine = CheckpointEngineRegistry.new(backend, is_master=self.rank == 0,
+                                                              bucket_size=int(bucket_megabytes) << 20,
+                                                              **(engine_kwargs or {}))
+        return type(self.checkpoint_engine).__name__
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+        if getattr(self, "checkpoint_engine", None) is None:
+            raise RuntimeError(f"actor rank {self.rank}: call init_checkpoint_engine(backend) first")
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def update_weights(self, global_steps: Optional[int] = None, mode: str = "auto") -> dict[str, Any]:
+        """Send the current full weights through the checkpoint engine (every rank: gathering them is collective).
+
+        ``mode``: the backend name or ``"auto"``; verl's ``"naive"`` (an engine inside this process) is served by
+        ``rollout.mode=hybrid`` instead (``RolloutWorker.hybrid_wake_up``). Synchronous: the fused worker cannot
+        await, so the engine's coroutine runs to completion here."""
+        import asyncio
+
+        self._require_model()
+        if mode == "naive":
+            raise ValueError("update_weights(mode='naive'): an engine inside the train ranks is rollout.mode=hybrid, "
+                             "which syncs in memory (RolloutWorker.hybrid_wake_up); use a transfer backend here")
+        if getattr(self, "checkpoint_engine", None) is None:
+            raise RuntimeError(f"actor rank {self.rank}: call init_checkpoint_engine(backend) first")
+        weights = self.role.engine.full_state_dict()  # all-gathered on every rank (FSDP), HF parameter names
+        result = asyncio.run(self.checkpoint_engine.send_weights(iter(weights.items()), global_steps=global_steps))
+        return {} if not isinstance(result, dict) or "ref" in result else result
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Rank 0: ``{"model", "optim", "update_count"}`` (full, world-size independent); others None."""
@@ -503,6 +559,7 @@ class ActorWorker(_RoleWorker):
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Load a :meth:`state_dict` (saved at any world size); ``optim`` is optional."""
         self._require_model()
+        self._free_colocated_rollout_cache()
         self.role.engine.load_full_state_dict(state["model"])
         if state.get("optim") is not None:
             self.role.engine.load_optimizer_state_dict(state["optim"])
@@ -520,6 +577,7 @@ class ActorWorker(_RoleWorker):
     def load_sharded(self, directory: str) -> dict[str, Any]:
         """Load :meth:`save_sharded`'s shards, saved at this or another world size (DCP reshards)."""
         self._require_model()
+        self._free_colocated_rollout_cache()
         meta = self.role.engine.load_sharded(directory)
         self.update_count += 1  # weights changed: a colocated rollout must sync again
         return meta
@@ -572,6 +630,7 @@ class CriticWorker(_RoleWorker):
         """
         self._require_model()
         _check_keys(data, CRITIC_UPDATE_KEYS, "update_critic")
+        self._free_colocated_rollout_cache()
         meta = data.meta_info
         batch = proto_to_batch(data)
         ranking = None
@@ -741,6 +800,8 @@ class RolloutWorker(_RoleWorker):
         self.engine = None
         self.mode = None  # "own-weights" | "shared-module" | "colocated-copy"
         self._synced_update_count = 0
+        self._hybrid_held: list = []  # requests that arrived while asleep (admitted at wake-up)
+        self._hybrid_sleeping = False
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -829,6 +890,92 @@ class RolloutWorker(_RoleWorker):
         self._require_engine()
         return self.engine.policy_version
 
+    # ---------------------------------------------------------------- rollout.mode=hybrid (docs/rollout.md §8)
+    # Called one at a time by this rank's HFHybridServer (async_rl.rollout.hybrid) through the fused worker's
+    # ``_fuw_execute``; the worker's actor queue serialises them with the training calls, so generation and
+    # training take turns on the shared device. Not worker-group methods: each rank serves its own replica.
+
+    def hybrid_info(self) -> dict[str, Any]:
+        """Where the engine runs. A hybrid replica needs its own copy of the weights (``share_actor_weights=False``):
+        running the actor's own module, it could not finish a request under version v once the trainer has
+        changed the module in place, yet Li2SAO's switch must receive the prefetched job before it publishes v + 1
+        (spec §4). verl's hybrid engine keeps its own copy for the same reason (vLLM's weights)."""
+        self._require_engine()
+        if self.mode == "shared-module":
+            raise RuntimeError(f"rollout rank {self.rank} runs the actor's own module; a hybrid replica needs its "
+                               f"own weight copy: build the colocated groups with "
+                               f"rollout_kwargs={{'share_actor_weights': False}}")
+        return {"pid": os.getpid(), "rank": self.rank, "mode": self.mode, "device": str(self.engine.device),
+                "version": self.engine.policy_version}
+
+    def _hybrid_admit(self, requests: list) -> dict[Any, str]:
+        """Admit requests into the engine; one bad request fails alone (its id -> the error message)."""
+        errors: dict[Any, str] = {}
+        if not requests:
+            return errors
+        try:
+            self.engine.add_requests(requests)
+            return errors
+        except ValueError:
+            pass
+        for request in requests:
+            try:
+                self.engine.add_requests([request])
+            except ValueError as error:
+                errors[request.request_id] = str(error)
+        return errors
+
+    def hybrid_step(self, requests: list, max_tokens: int) -> dict[str, Any]:
+        """Admit ``requests`` (``GenerationRequest`` s) and, when awake, decode up to ``max_tokens`` tokens for every
+        unfinished request. Returns the finished outputs, per-request admission errors, whether the engine is
+        asleep, its version and how many requests it still holds (held ones included)."""
+        self._require_engine()
+        self._hybrid_held += list(requests)
+        errors: dict[Any, str] = {}
+        outputs = []
+        if not self._hybrid_sleeping:
+            held, self._hybrid_held = self._hybrid_held, []
+            errors = self._hybrid_admit(held)
+            if self.engine.has_unfinished:
+                outputs = self.engine.step(int(max_tokens))
+        return {"outputs": outputs, "errors": errors, "asleep": self._hybrid_sleeping,
+                "version": self.engine.policy_version,
+                "num_unfinished": self.engine.num_unfinished + len(self._hybrid_held)}
+
+    def hybrid_abort(self, request_ids: list) -> list:
+        """End these requests as "aborted" (held ones before their first token); returns their outputs."""
+        from async_rl.rollout.replica import empty_output
+
+        self._require_engine()
+        wanted = set(request_ids)
+        held = [r for r in self._hybrid_held if r.request_id in wanted]
+        self._hybrid_held = [r for r in self._hybrid_held if r.request_id not in wanted]
+        outputs = [empty_output(r) for r in held]
+        return outputs + (self.engine.abort(wanted) if self.engine.has_unfinished else [])
+
+    def hybrid_sleep(self) -> dict[str, Any]:
+        """Stop decoding and free the KV cache until :meth:`hybrid_wake_up`; requests keep their tokens."""
+        self._require_engine()
+        self._hybrid_sleeping = True
+        self.engine.release_cache()
+        return {"asleep": True, "num_unfinished": self.engine.num_unfinished + len(self._hybrid_held)}
+
+    def hybrid_wake_up(self, version: Optional[int] = None) -> dict[str, Any]:
+        """Resume decoding. ``version``: first copy the fused actor's current weights in as that policy version (in
+        memory, :meth:`sync_from_actor`; unfinished requests are re-prefilled under them); without one the engine
+        goes on with the version it holds."""
+        self._require_engine()
+        if version is not None:
+            self.sync_from_actor(int(version))
+        self._hybrid_sleeping = False
+        return {"version": self.engine.policy_version,
+                "num_unfinished": self.engine.num_unfinished + len(self._hybrid_held)}
+
+    def hybrid_progress(self) -> list[dict]:
+        """Tokens, log-probs and versions generated so far by every unfinished request (read between chunks)."""
+        self._require_engine()
+        return self.engine.export_inflight()
+
 
 # ============================================================================ driver-side helpers
 
@@ -895,6 +1042,7 @@ class SapoWorker(ActorWorker):
     def update_sapo(self, data: DataProto) -> DataProto:
         """One joint step ``L_pol + c_V L_V + c_Q L_Q + β KL - c_H H``; global metrics in meta_info."""
         self._require_model()
+        self._free_colocated_rollout_cache()
         meta = data.meta_info
         batch, turns = self._split(data)
         targets = {k[len("target_"):]: batch.pop(k) for k in list(batch) if k.startswith("target_")}

@@ -1,0 +1,280 @@
+"""``rollout.mode=hybrid``: the hf rollout engine inside the training processes, behind verl's server methods.
+
+verl's hybrid engine (``RolloutMode.HYBRID``, ``RolloutReplica.init_hybrid(worker_group)``) fuses the inference
+engine into the training worker processes: rollout and training share one device and take turns, the rollout
+sleeping (KV cache freed) while the trainer updates and waking with the new weights, which it reads in memory --
+nothing is sent between processes. For vLLM, verl splits this in two: a server actor holds the request queue and
+the engine's workers live in the training processes. We keep the same split for the transformers engine:
+
+* the **engine** is the :class:`~async_rl.workers.verl_workers.RolloutWorker` role fused with the actor (and
+  critic) in each train rank's process (``placement="colocated"``), holding its own copy of the policy weights
+  (as vLLM does in verl's hybrid engine) that it refreshes from the actor in memory -- with several train
+  ranks through an in-process all-gather of the FSDP shards. Its ``hybrid_*`` methods admit requests, decode
+  one chunk, abort, sleep and wake up.
+* the **server** (:class:`HFHybridServer`, one small async Ray actor per rank, no CPU reserved) has the
+  standalone server's methods (``generate``, ``abort_all_requests``, ``resume_generation``, ``update_weights``,
+  ``abort_requests``, ``sleep``, ``wake_up``, ``ping``, ``progress``), so :class:`~async_rl.rollout.client.ReplicaPool`
+  and both schedulers drive hybrid and standalone replicas with the same code. It queues the requests and
+  pumps the engine one chunk per call (``chunk_tokens``) through the fused worker's ``_fuw_execute``.
+
+Taking turns needs no lock: the train worker is a single-threaded Ray actor, so a decode chunk and a training
+call never run at once. Every training call first frees the engine's KV cache (``_free_colocated_rollout_cache``:
+the rollout sleeps while the trainer uses the device); the requests keep their tokens, log-probs and versions
+and are re-prefilled when decoding resumes. The engine's weight copy stays at the version it was given, so
+tokens sampled between an update and its publication are correctly tagged with the old version (Li2SAO's
+switch needs exactly that: the prefetched job finishes before the next publication, spec §4). A publication
+(``update_weights(published, version)``: ``published`` is not read, only the version) copies the actor's
+current weights in; unfinished requests continue from ``prompt + tokens so far`` under them -- the same
+per-token guarantee as the standalone replicas. ``sleep``/``wake_up`` (verl's names) park and resume decoding
+by hand.
+
+Health: the replica *is* a train rank. A dead rank makes every call fail (``RayActorError``) and the server
+reports itself broken; a hung rank is caught by the worker group's call deadlines (``WorkerTimeoutError``)
+because the trainer calls it too. A chunk queued behind a long training step is not a stall, so ``ping``
+reports ``stalled_s = 0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Optional
+
+from async_rl.rollout.base import GenerationOutput, GenerationRequest
+from async_rl.rollout.replica import (
+    ReplicaBrokenError,
+    VersionedTokenOutput,
+    empty_output,
+    sampling_from_server_dict,
+    versioned_reply,
+)
+
+# the fused worker's name for a RolloutWorker method: verl's "{role}_fwmn_{method}" (fused worker method name)
+ROLLOUT_METHOD_PREFIX = "rollout_fwmn_"
+
+
+class HFHybridServer:
+    """verl rollout-server methods for the hf engine fused into train rank ``replica_rank`` (a Ray async actor).
+
+    Args:
+        worker: the train rank's fused worker (an actor handle with verl's ``_fuw_execute``).
+        replica_rank: this replica's index (= the train rank).
+        chunk_tokens: tokens decoded per call into the worker; a pause, an abort or a new request waits at most
+            one chunk.
+    """
+
+    def __init__(self, worker, replica_rank: int = 0, chunk_tokens: int = 4) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.worker = worker
+        self.replica_rank = int(replica_rank)
+        self.chunk_tokens = int(chunk_tokens)
+        self._queued: list[GenerationRequest] = []  # not yet sent to the worker
+        self._futures: dict[Any, asyncio.Future] = {}  # request id -> its generate() call
+        self._worker_lock = asyncio.Lock()  # one call into the worker at a time
+        self._kick = asyncio.Event()
+        self._paused = False
+        self._rejecting = False
+        self._asleep = False  # as the worker last reported
+        self._num_unfinished = 0  # held by the worker, as it last reported
+        self._version = 0
+        self._broken: Optional[str] = None
+        self._stopped = False
+        self._pump_task: Optional[asyncio.Task] = None
+        self._start: Optional[asyncio.Task] = None
+        self._info: dict[str, Any] = {}
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "tokens": 0, "weight_updates": 0,
+                         "paused_requests": 0, "chunks": 0, "sleeps": 0}
+        self.last_update_s = 0.0
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """One call into the worker's RolloutWorker; a failure breaks this replica (every waiter is failed)."""
+        self._raise_if_broken()
+        try:
+            return await self.worker._fuw_execute.remote(ROLLOUT_METHOD_PREFIX + method, *args)
+        except BaseException as error:
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            self._break(f"{type(error).__name__} in {method}: {lines[-1] if lines else error!r}")
+            raise ReplicaBrokenError(self._broken_message()) from error
+
+    async def _ensure_started(self) -> None:
+        """Read the engine's pid, device and version once, then start the pump (concurrent first calls share it)."""
+        if self._start is None:
+            self._start = asyncio.get_running_loop().create_task(self._start_once())
+        await asyncio.shield(self._start)
+
+    async def _start_once(self) -> None:
+        async with self._worker_lock:
+            self._info = await self._call("hybrid_info")
+        self._version = int(self._info["version"])
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+
+    # ------------------------------------------------------------------ verl server interface
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       **unsupported: Any) -> VersionedTokenOutput:
+        """Token-in/token-out generation of one request; returns when it finishes (or is aborted)."""
+        if any(value is not None for value in unsupported.values()):
+            raise ValueError(f"the hf replica has no multimodal/priority inputs; got {sorted(unsupported)}")
+        request = GenerationRequest(request_id, [int(t) for t in prompt_ids], sampling_from_server_dict(sampling_params))
+        await self._ensure_started()
+        self._raise_if_broken()
+        if self._rejecting:
+            return versioned_reply(empty_output(request), self.replica_rank, self._version)
+        if request_id in self._futures:
+            raise ValueError(f"request_id {request_id!r} is already running on replica {self.replica_rank}")
+        future = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        self._queued.append(request)
+        self.counters["requests"] += 1
+        self._kick.set()
+        output: GenerationOutput = await future
+        return versioned_reply(output, self.replica_rank, self._version)
+
+    async def abort_all_requests(self, reject_request: bool = False, reset_prefix_cache: bool = True) -> dict:
+        """Pause at the next chunk boundary, keeping every request and its tokens (as the standalone hf server)."""
+        await self._ensure_started()
+        self._paused, self._rejecting = True, bool(reject_request)
+        async with self._worker_lock:  # the chunk in progress finishes first
+            live = len(self._futures)
+        self.counters["paused_requests"] += live
+        return {"aborted_count": 0, "paused_count": live, "request_ids": []}
+
+    async def resume_generation(self) -> None:
+        self._paused = self._rejecting = False
+        self._kick.set()
+
+    async def update_weights(self, published: Any, version: int) -> dict[str, float]:
+        """Wake the engine under policy ``version``: it takes the fused actor's current weights in memory
+        (``published``, the handle the standalone replicas load, is not needed here and is not read)."""
+        await self._ensure_started()
+        started = time.perf_counter()
+        async with self._worker_lock:
+            reply = await self._call("hybrid_wake_up", int(version))
+        self._version, self._asleep = int(reply["version"]), False
+        self.counters["weight_updates"] += 1
+        self.last_update_s = time.perf_counter() - started
+        self._kick.set()
+        return {"fetch_s": 0.0, "load_s": self.last_update_s, "version": self._version}
+
+    async def sleep(self) -> None:
+        """Stop decoding and free the engine's KV cache (requests keep their tokens) until :meth:`wake_up`."""
+        await self._ensure_started()
+        async with self._worker_lock:
+            await self._call("hybrid_sleep")
+        self._asleep = True
+        self.counters["sleeps"] += 1
+
+    async def wake_up(self) -> None:
+        """Resume decoding with the weights last synced (a new version comes through :meth:`update_weights`)."""
+        await self._ensure_started()
+        async with self._worker_lock:
+            reply = await self._call("hybrid_wake_up", None)
+        self._version, self._asleep = int(reply["version"]), False
+        self._kick.set()
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        return await self.abort_requests([request_id])
+
+    async def abort_requests(self, request_ids: list[Any]) -> dict[str, Any]:
+        """Finish these requests as "aborted" (their ``generate`` calls return what they have)."""
+        await self._ensure_started()
+        wanted = set(request_ids)
+        queued = [r for r in self._queued if r.request_id in wanted]
+        self._queued = [r for r in self._queued if r.request_id not in wanted]
+        for request in queued:
+            self._deliver(empty_output(request))
+        sent = [rid for rid in wanted if rid in self._futures]
+        outputs: list[GenerationOutput] = []
+        if sent:
+            async with self._worker_lock:
+                outputs = await self._call("hybrid_abort", sent)
+            for output in outputs:
+                self._deliver(output)
+        return {"aborted_count": len(queued) + len(outputs),
+                "request_ids": [r.request_id for r in queued] + [o.request_id for o in outputs]}
+
+    async def progress(self) -> dict[Any, dict[str, list]]:
+        """Tokens, log-probs and versions of every unfinished request, read between chunks."""
+        await self._ensure_started()
+        async with self._worker_lock:
+            states = await self._call("hybrid_progress")
+        return {state["request_id"]: {"token_ids": state["token_ids"], "logprobs": state["logprobs"],
+                                      "versions": state["versions"]} for state in states}
+
+    async def ping(self) -> dict[str, Any]:
+        """Health and progress (``pid``: the train rank's process, where the engine runs)."""
+        await self._ensure_started()
+        self._raise_if_broken()
+        return {"pid": self._info.get("pid"), "server_pid": os.getpid(), "replica_rank": self.replica_rank,
+                "mode": "hybrid", "version": self._version, "num_unfinished": len(self._futures),
+                "paused": self._paused, "asleep": self._asleep, "device": self._info.get("device"),
+                "counters": dict(self.counters), "last_update_s": self.last_update_s, "stalled_s": 0.0}
+
+    async def get_pid(self) -> int:
+        await self._ensure_started()
+        return int(self._info["pid"])
+
+    async def shutdown(self) -> None:
+        self._stopped = True
+        self._kick.set()
+
+    # ------------------------------------------------------------------ the pump
+    def _has_work(self) -> bool:
+        return bool(self._queued) or self._num_unfinished > 0
+
+    async def _pump(self) -> None:
+        """Feed queued requests to the worker and decode one chunk per call while awake, unpaused and busy."""
+        while not self._stopped:
+            await self._kick.wait()
+            self._kick.clear()
+            while not self._stopped and not self._paused and self._has_work() and self._broken is None:
+                async with self._worker_lock:
+                    if self._paused:
+                        break
+                    sending, self._queued = self._queued, []
+                    try:
+                        reply = await self._call("hybrid_step", sending, self.chunk_tokens)
+                    except ReplicaBrokenError:
+                        return
+                self.counters["chunks"] += 1
+                for request_id, message in reply["errors"].items():
+                    future = self._futures.pop(request_id, None)
+                    if future is not None and not future.done():
+                        future.set_exception(ValueError(message))
+                for output in reply["outputs"]:
+                    self._deliver(output)
+                self._version, self._num_unfinished = int(reply["version"]), int(reply["num_unfinished"])
+                self._asleep = bool(reply["asleep"])
+                if self._asleep:
+                    break  # nothing moves until a wake-up (update_weights / wake_up) kicks the pump again
+                await asyncio.sleep(0)  # let generate / control calls in between two chunks
+
+    def _deliver(self, output: GenerationOutput) -> None:
+        future = self._futures.pop(output.request_id, None)
+        self.counters["finished" if output.finish_reason != "aborted" else "aborted"] += 1
+        self.counters["tokens"] += len(output.token_ids)
+        if future is not None and not future.done():
+            future.set_result(output)
+
+    def _break(self, reason: str) -> None:
+        if self._broken is not None:
+            return
+        self._broken = reason
+        error = ReplicaBrokenError(self._broken_message())
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self._futures.clear()
+        self._queued = []
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise ReplicaBrokenError(self._broken_message())
+
+    def _broken_message(self) -> str:
+        return (f"hybrid hf replica {self.replica_rank} (train rank pid {self._info.get('pid')}): its train worker "
+                f"failed: {self._broken}")
+
+
+__all__ = ["HFHybridServer", "ROLLOUT_METHOD_PREFIX"]
