@@ -295,6 +295,46 @@ def test_scripted_solution_wins(env, pick_task, cool_task, which, solution, cate
         env.step(act("look"))
 
 
+def test_games_stepping_at_once_on_threads_all_finish(pick_task, cool_task):
+    """The rollout steps several episodes on env worker threads at once. textworld derives every step's text with
+    one module-global (not thread-safe) parser; unguarded, concurrent steps broke it ("IndexError: pop from empty
+    list") and the failed steps aborted their episodes. Six games play their solutions in lock step here."""
+    import threading
+
+    _require_alfworld()
+    plays = [(pick_task, PICK_SOLUTION), (cool_task, COOL_SOLUTION)] * 3
+    envs = [AlfWorldEnv() for _ in plays]
+    errors: list[str] = []
+    wins: list[bool] = []
+    barrier = threading.Barrier(len(plays))
+    shortest = min(len(solution) for _, solution in plays)
+
+    def play(env, task, solution):
+        try:
+            env.reset(task)
+            for i, action in enumerate(solution):
+                if i < shortest:
+                    barrier.wait(timeout=120)  # every game steps at the same moment
+                result = env.step(act(action))
+            wins.append(bool(result.info["won"]))
+        except Exception as error:  # collected, the test fails below with the message
+            errors.append(f"{type(error).__name__}: {error}")
+            barrier.abort()
+
+    threads = [threading.Thread(target=play, args=(env, task, solution))
+               for env, (task, solution) in zip(envs, plays)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+    finally:
+        for env in envs:
+            env.close()
+    assert not errors, errors
+    assert wins == [True] * len(plays)
+
+
 def test_invalid_actions_are_flagged_and_leave_the_game_unchanged(env, pick_task):
     env.reset(pick_task)
     before = env.admissible_actions

@@ -103,8 +103,12 @@ _HIDDEN_COMMANDS = frozenset({"help"})  # shown to nobody: its output is a manua
 
 # textworld's PDDL loader (fast_downward.pddl2sas) overwrites sys.argv, swaps sys.stdout for a buffer
 # while it translates, and sets module-global translator options: loading two games at once from two
-# threads can corrupt a translation or leave sys.stdout pointing at a dead buffer. Every game load and
-# reset in this process goes through this lock (the work is pure Python under the GIL anyway).
+# threads can corrupt a translation or leave sys.stdout pointing at a dead buffer. And every game's text
+# (the intro on reset, the feedback of each step: Grammar.derive) is produced by ONE module-global tatsu
+# parser (textworld.envs.pddl.textgen._PARSER), which is not thread-safe: two envs stepping at once from
+# the rollout's env worker threads corrupt its context stack ("IndexError: pop from empty list" in
+# tatsu/contexts.py), which aborted their episodes. Every game load, reset and step in this process goes
+# through this lock (the work is pure Python under the GIL anyway).
 _PDDL_LOCK = threading.Lock()
 _PDDL_LOCK_TIMEOUT_S = 300.0
 
@@ -531,7 +535,7 @@ class AlfWorldEnv(Env):
 
     def _load_and_reset(self, source: str | dict[str, Any]) -> Any:
         if not _PDDL_LOCK.acquire(timeout=_PDDL_LOCK_TIMEOUT_S):
-            raise TimeoutError(f"waited {_PDDL_LOCK_TIMEOUT_S:g} s for another ALFWorld game load in this process")
+            raise TimeoutError(f"waited {_PDDL_LOCK_TIMEOUT_S:g} s for another ALFWorld game call in this process")
         saved_argv = sys.argv
         try:
             if self._game is None:
@@ -591,11 +595,14 @@ class AlfWorldEnv(Env):
         valid = action is not None and action in self._admissible
         won = False
         if valid:
+            if not _PDDL_LOCK.acquire(timeout=_PDDL_LOCK_TIMEOUT_S):
+                raise TimeoutError(f"waited {_PDDL_LOCK_TIMEOUT_S:g} s for another ALFWorld game call in this process")
             self._busy = True
-            try:
+            try:  # the step derives its feedback with textworld's shared parser: see _PDDL_LOCK
                 state, _score, _game_done = self._game.step(action)
             finally:
                 self._busy = False
+                _PDDL_LOCK.release()
             feedback = state.feedback.strip()
             won = bool(state["won"])
             next_admissible = self._visible(state)
