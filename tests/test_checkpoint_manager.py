@@ -24,23 +24,6 @@ def test_manager_settings_are_checked():
         ReplicaSettings.from_config({"mode": "hybrid", "weight_sync": "checkpoint_manager"})
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    torch.set_num_threads(1)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from async_rl.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("manager") / "m", hidden_size=32, num_layers=1)
-
-
 def test_the_object_store_topology_numbers_the_workers_and_names_one_fresh_transfer(ray_cluster):
     from async_rl.rollout.checkpoint_engine import ObjectStoreCheckpointEngine
 

@@ -51,23 +51,6 @@ def test_release_cache_keeps_every_token_and_the_continuation_is_exact(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- on Ray
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    torch.set_num_threads(1)
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from async_rl.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("hybrid") / "m", hidden_size=32, num_layers=1)
-
-
 def _hybrid(model, train_workers=1, chunk_tokens=2, **pool_kwargs):
     """Colocated train ranks (actor + rollout engine with its own weight copy) and one hybrid replica per rank."""
     from async_rl.rollout.client import ReplicaPool, launch_replicas

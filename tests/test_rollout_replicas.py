@@ -75,23 +75,6 @@ def test_episode_key_and_settings_validation():
 
 
 # ---------------------------------------------------------------------------------------------- on Ray
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    torch.set_num_threads(1)
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from async_rl.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("replicas") / "m", hidden_size=32, num_layers=1)
-
-
 def _pool(model, n, **kwargs):
     from async_rl.rollout.client import ReplicaPool, launch_replicas
 

@@ -96,6 +96,14 @@ def test_webshop_clean_demos_buy_the_target_with_its_options(tokenizer):
     assert sum(d["reward"] for d in noisy) / len(noisy) < sum(d["reward"] for d in clean) / len(clean)
 
 
+def test_an_option_is_named_only_as_whole_words():
+    from async_rl.models.sft import _names_phrase
+
+    # "large" is not named by "x-large" (the demo used to click "large" first, wasting one of its 5 turns)
+    assert _names_phrase("in size x-large", "x-large") and not _names_phrase("in size x-large", "large")
+    assert not _names_phrase("in size 33.8 fl oz", "8 fl oz") and _names_phrase("in size 8 fl oz, and", "8 fl oz")
+
+
 def test_task_demonstrations_reject_bad_input(tokenizer):
     with pytest.raises(ValueError, match="no scripted demonstrations for env 'toy_keys'"):
         make_task_demonstrations("toy_keys", None, [{}], tokenizer, 1, 0.5)

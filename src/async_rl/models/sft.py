@@ -642,8 +642,9 @@ def _retool_code(expression: str) -> str:
 
 
 def _names_phrase(text: str, phrase: str) -> bool:
-    """``phrase`` occurs in ``text`` as whole words ("8 fl oz" is not named by "33.8 fl oz")."""
-    return re.search(r"(?<![\w.])" + re.escape(phrase) + r"(?![\w.])", text) is not None
+    """``phrase`` occurs in ``text`` as whole words ("8 fl oz" is not named by "33.8 fl oz", "large" not by
+    "x-large")."""
+    return re.search(r"(?<![\w.-])" + re.escape(phrase) + r"(?![\w.-])", text) is not None
 
 
 class _ScriptedPolicy:

@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.checkpoint_engine import check_published_handle, in_process_handle, published_handle

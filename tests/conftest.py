@@ -1,0 +1,26 @@
+"""Fixtures shared by the rollout-replica test modules (each module gets its own instance: scope="module")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance for one test module: explicit logical CPUs (a scheduling label, more than this
+    machine's 2 cores), no dashboard, shut down after the module."""
+    import ray
+
+    torch.set_num_threads(1)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A one-layer tiny Qwen2 checkpoint (hidden size 32); modules that need another size define their own."""
+    from async_rl.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1)
