@@ -27,15 +27,11 @@ trainer never waits without a timeout, so a dead rollout cannot deadlock the dri
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Callable, Optional
-
-import numpy as np
-import torch
 
 from async_rl.driver.buffer import TrajectoryBuffer
 from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, write_checkpoint
@@ -43,6 +39,8 @@ from async_rl.driver.driver import (
     DriverConfig,
     RunStats,
     choose_prefetched_job,
+    load_run_state,
+    run_state,
     take_last_bootstrap_batch,
     weights_for_engine,
 )
@@ -295,44 +293,15 @@ class ConcurrentDriver:
                     self.buffer.counters.discarded += 1
                     continue
                 self.buffer.add(traj)
-            return {
-                "format": 1,
-                "scheduler": "concurrent",
-                "switch_state": self.switch_state,
-                "kept_groups": sorted(self.kept_groups),
-                "stats": {k: v for k, v in vars(self.stats).items() if k != "wall_start"},
-                "aborted_stale": self.aborted_stale,
-                "stale_wasted_tokens": self.stale_wasted_tokens,
-                "learner": self.learner.state_dict(),
-                "buffer": self.buffer.state_dict(),
-                "rollout": self.rollout.state_dict(),
-                # the weights of this version were handed to the engine just before the cut (in-driver engine:
-                # applied at its next token boundary), so that is the version the resumed engine runs
-                "engine_version": self.learner.policy_version,
-                "history": self.history,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            }
+            # the weights of this version were handed to the engine just before the cut (in-driver engine:
+            # applied at its next token boundary), so that is the version the resumed engine runs
+            return {**run_state(self, self.learner.policy_version), "scheduler": "concurrent",
+                    "aborted_stale": self.aborted_stale, "stale_wasted_tokens": self.stale_wasted_tokens}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != 1:
-            raise ValueError(f"unsupported checkpoint format {state.get('format')!r}")
-        self.switch_state = state["switch_state"]
-        self.kept_groups = set(state["kept_groups"])
-        for key, value in state["stats"].items():
-            setattr(self.stats, key, value)
+        load_run_state(self, state)
         self.aborted_stale = int(state.get("aborted_stale", 0))
         self.stale_wasted_tokens = int(state.get("stale_wasted_tokens", 0))
-        shards = state.get("shards") or {}
-        self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
-        self.buffer.load_state_dict(state["buffer"])
-        engine_version = state["engine_version"]
-        self.rollout.engine.update_weights(weights_for_engine(self.learner.actor, self.rollout.engine, engine_version),
-                                           engine_version)
-        self.rollout.load_state_dict(state["rollout"])
-        self.history = list(state["history"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
 
     def save_checkpoint(self) -> Path:
         """As :meth:`DeterministicDriver.save_checkpoint` (atomic, checksummed, sharded model state for worker

@@ -93,6 +93,44 @@ def weights_for_engine(actor, engine, version: int):
     return actor.export_weights()
 
 
+def run_state(driver, engine_version: int) -> dict:
+    """The checkpoint fields both schedulers share (format 1): switch state, stats, learner, buffer, rollout,
+    the version the engine runs, history and random states. Each scheduler adds its own (clock, counters)."""
+    return {
+        "format": 1,
+        "switch_state": driver.switch_state,
+        "kept_groups": sorted(driver.kept_groups),
+        "stats": {k: v for k, v in vars(driver.stats).items() if k != "wall_start"},
+        "learner": driver.learner.state_dict(),
+        "buffer": driver.buffer.state_dict(),
+        "rollout": driver.rollout.state_dict(),
+        "engine_version": int(engine_version),
+        "history": driver.history,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+    }
+
+
+def load_run_state(driver, state: dict) -> None:
+    """Restore :func:`run_state`'s fields; the engine is given the learner's restored weights as the checkpoint's
+    engine version (the rollout runs the published weights) before the rollout's own state is loaded."""
+    if state.get("format") != 1:
+        raise ValueError(f"unsupported checkpoint format {state.get('format')!r}")
+    driver.switch_state = state["switch_state"]
+    driver.kept_groups = set(state["kept_groups"])
+    for key, value in state["stats"].items():
+        setattr(driver.stats, key, value)
+    shards = state.get("shards") or {}
+    driver.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
+    driver.buffer.load_state_dict(state["buffer"])
+    engine, version = driver.rollout.engine, state["engine_version"]
+    engine.update_weights(weights_for_engine(driver.learner.actor, engine, version), version)
+    driver.rollout.load_state_dict(state["rollout"])
+    driver.history = list(state["history"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+
+
 def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
                           group_size: int) -> set[str]:
     """Li2SAO switch, step 1: the prefetched job = the oldest groups, ready first, then buffered partial
@@ -235,41 +273,12 @@ class DeterministicDriver:
         """Everything needed to continue bit for bit (taken at a tick boundary right after a publication)."""
         if self.publish is not None:
             raise RuntimeError("checkpoints are taken between an update's publication and the next batch")
-        return {
-            "format": 1,
-            "clock": self.clock,
-            "switch_state": self.switch_state,
-            "kept_groups": sorted(self.kept_groups),
-            "stats": {k: v for k, v in vars(self.stats).items() if k != "wall_start"},
-            "learner": self.learner.state_dict(),
-            "buffer": self.buffer.state_dict(),
-            "rollout": self.rollout.state_dict(),
-            "engine_version": self.rollout.engine.policy_version,
-            "history": self.history,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-        }
+        return {**run_state(self, self.rollout.engine.policy_version), "clock": self.clock}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != 1:
-            raise ValueError(f"unsupported checkpoint format {state.get('format')!r}")
+        load_run_state(self, state)
         self.clock = state["clock"]
-        self.switch_state = state["switch_state"]
-        self.kept_groups = set(state["kept_groups"])
-        for key, value in state["stats"].items():
-            setattr(self.stats, key, value)
-        shards = state.get("shards") or {}
-        self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
-        self.buffer.load_state_dict(state["buffer"])
-        # the rollout runs the published weights: the learner's, at the checkpoint
-        engine_version = state["engine_version"]
-        self.rollout.engine.update_weights(weights_for_engine(self.learner.actor, self.rollout.engine, engine_version),
-                                           engine_version)
-        self.rollout.load_state_dict(state["rollout"])
-        self.history = list(state["history"])
         self.publish = None
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
 
     def save_checkpoint(self) -> Path:
         """Write ``step_<N>.pt`` atomically with its SHA-256 checksum, point ``latest`` at it, then keep only
