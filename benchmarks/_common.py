@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_CACHE = REPO / "outputs" / "bench_models"
 
-# the same per-algorithm settings tests/test_learning.py uses on toy_keys (B = 32, lr 1e-3)
+# per-algorithm settings on toy_keys (B = 32, lr 1e-3 unless overridden; tests/test_learning.py has the same presets at 3e-4)
 ALGO_PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(group_size=4, use_critic=False, policy_loss="ppo_clip"),
     "lisao": dict(group_size=1, use_critic=True, critic_warmup_steps=3, policy_loss="dis"),
@@ -65,6 +65,22 @@ def progress(total: int, desc: str):
                 disable=not sys.stderr.isatty())
 
 
+def git_provenance() -> dict[str, Any]:
+    """``git_commit`` (short hash of HEAD) and ``git_dirty`` (tracked files other than benchmarks/results/ differ
+    from HEAD, so the result may come from code no commit holds; a result file rewritten in place is output, not
+    code); both None outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD") or None
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results"))
+    except Exception:  # noqa: BLE001 - not a checkout, or no git: provenance unknown
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
@@ -82,11 +98,7 @@ def machine_info() -> dict[str, Any]:
         info["verl"] = getattr(verl, "__version__", "unknown")
     except Exception:  # noqa: BLE001 - informational only
         info["verl"] = None
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        info["git_commit"] = None
+    info.update(git_provenance())
     try:
         load = os.getloadavg()
         info["load_avg_1m_at_start"] = round(load[0], 2)
@@ -168,11 +180,14 @@ def run_algorithm(
     num_tasks: int = 256,  # as tests/test_learning.py: the prompt stream cycles through 256 tasks
     on_step: Optional[Callable[[dict], None]] = None,
     scheduler: str = "deterministic",
+    long_tail: Optional[dict[str, Any]] = None,
 ) -> RunResult:
     """Train ``name`` on toy_keys (settings of tests/test_learning.py).
 
     ``scheduler``: ``deterministic`` (simulated clock, one process, reproducible) or ``concurrent`` (a rollout
-    thread generating while the trainer trains, in real time).
+    thread generating while the trainer trains, in real time). ``long_tail``: toy_keys' long-tailed variant
+    (``make_toy_tasks(long_tail=...)``, a forced thinking turn of lognormal length first; one more turn and
+    ``max`` more response tokens allowed).
     """
     import async_rl.envs.toy  # noqa: F401  (registers the toy envs)
     from async_rl.config import AlgorithmConfig
@@ -187,8 +202,11 @@ def run_algorithm(
     kwargs = {"actor_lr": 1e-3, "critic_lr": 1e-3, **ALGO_PRESETS.get(name, {}), **(algo_overrides or {})}
     algo = AlgorithmConfig(name=name, train_batch_trajectories=batch, **kwargs)
     driver_kwargs = {"total_steps": steps, "max_inflight_trajectories": batch, **(driver_overrides or {})}
-    spec = RunSpec(model_path=model_path, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", num_tasks, seed),
-                   seed=seed, max_new_tokens=24, limits=EpisodeLimits(max_turns=4, max_response_tokens=160))
+    extra_turns, extra_tokens = (1, int(long_tail["max"])) if long_tail is not None else (0, 0)
+    spec = RunSpec(model_path=model_path, env_name="toy_keys",
+                   tasks=make_toy_tasks("toy_keys", num_tasks, seed, long_tail=long_tail), seed=seed,
+                   max_new_tokens=24, limits=EpisodeLimits(max_turns=4 + extra_turns,
+                                                           max_response_tokens=160 + extra_tokens))
     if scheduler not in ("deterministic", "concurrent"):
         raise ValueError(f"scheduler must be deterministic or concurrent, got {scheduler!r}")
     build = build_deterministic_driver if scheduler == "deterministic" else build_concurrent_driver
@@ -208,7 +226,7 @@ def run_algorithm(
         dropped_stale=int(counters.dropped_stale), aborted=int(counters.aborted), discarded=int(counters.discarded),
         discarded_at_switch=int(getattr(stats, "discarded_at_switch", 0)),
         extra={"algorithm": dataclasses.asdict(algo), "driver": driver_kwargs, "seed": seed,
-               "scheduler": scheduler,
+               "scheduler": scheduler, "long_tail": long_tail,
                "build_s": build_s},
     )
 

@@ -17,6 +17,14 @@ versions advance at the same rate.
 
 Run: ``.venv/bin/python benchmarks/group_vs_single.py [--quick]``; writes
 benchmarks/results/group_vs_single.{json,png} (``--quick``: group_vs_single_quick.{json,png}).
+
+``--long-tail``: the papers' regime. toy_keys' long-tailed variant (every episode first thinks for a forced,
+lognormally drawn number of tokens: median 24, sigma 1, so p99 = 10x the median; each group member draws its
+own), GRPO with a group of 8 against LiSAO n = 1 at the same trajectory budget (B = 32), rollout-bound
+(``update_ticks`` = 1), on the simulated clock (deterministic scheduler) and on the concurrent scheduler (real
+threads, real time). Writes results/group_vs_single_longtail.json with ``single_over_group`` (mean lag and step
+time, simulated clock), the same on the concurrent scheduler, per-arm numbers, per-arm response lengths (the
+forced part is drawn from the same distribution in both arms; the rest is the policy's) and the distribution.
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ def summarize(run: C.RunResult, inflight: int, update_ticks: int) -> dict:
         "trajectories_trained": int(sum(run.series("train/batch_trajectories"))),
         "trajectories_generated": run.trajectories_finished,
         "sim_clock_ticks": run.clock_ticks,
-        "sim_ticks_per_step": run.clock_ticks / n,
-        "trainer_idle_frac": run.history[-1]["perf/trainer_idle_frac"],
+        "sim_ticks_per_step": run.clock_ticks / n if run.clock_ticks is not None else None,  # concurrent: none
+        "trainer_idle_frac": run.history[-1].get("perf/trainer_idle_frac"),
         "mean_policy_lag": run.mean("async/policy_lag/mean"),
         "max_policy_lag": max(run.series("async/policy_lag/max") or [0.0]),
         "off_policy_token_ratio": run.mean("async/off_policy_token_ratio"),
@@ -97,12 +105,87 @@ def plot(rows: list[dict], runs: dict[str, C.RunResult], path) -> None:
     plt.close(fig)
 
 
+def length_distribution(spec: dict, draws: int = 20000) -> dict:
+    """Quantiles of the forced thinking-turn length, drawn as the episodes draw it."""
+    from async_rl.driver.episode import forced_turn_tokens
+
+    values = sorted(forced_turn_tokens(spec, f"p{i}/r0") for i in range(draws))
+    q = {f"p{p}": values[min(draws - 1, int(p / 100 * draws))] for p in (10, 50, 90, 99)}
+    return {"spec": spec, "draws": draws, "mean": sum(values) / draws, **q, "p99_over_median": q["p99"] / q["p50"]}
+
+
+def main_long_tail(args) -> dict:
+    from async_rl.envs.toy import LONG_TAIL_DEFAULT
+
+    steps = args.steps or (12 if args.quick else 24)
+    arms = [("GRPO n=8", "grpo", {"group_size": 8}),
+            ("LiSAO n=1", "lisao", {"group_size": 1, "critic_warmup_steps": 0})]
+    machine = C.machine_info()
+    model = C.warm_model()
+    rows, started = [], time.perf_counter()
+    for scheduler in ("deterministic", "concurrent"):
+        for arm, algo, overrides in arms:
+            label = f"{arm}, {scheduler}"
+            run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
+                                  algo_overrides=overrides, scheduler=scheduler, long_tail=LONG_TAIL_DEFAULT,
+                                  driver_overrides={"synchronous": False, "max_inflight_trajectories": B,
+                                                    "update_ticks": 1})
+            row = summarize(run, B, 1)
+            row["scheduler"] = scheduler
+            row["response_length_max_mean"] = run.mean("train/response_length/max")
+            row["wall_s_per_step"] = run.wall_s / max(len(run.history), 1)
+            rows.append(row)
+            print(f"  done {label}: {run.clock_ticks} ticks, {run.wall_s:.1f} s wall, lag "
+                  f"{row['mean_policy_lag']:.2f}, resp len {row['response_length_mean']:.1f}", flush=True)
+
+    def ratios(scheduler: str, time_key: str) -> dict:
+        g = next(r for r in rows if r["scheduler"] == scheduler and r["label"].startswith("GRPO"))
+        s = next(r for r in rows if r["scheduler"] == scheduler and r["label"].startswith("LiSAO"))
+        return {"mean_lag": s["mean_policy_lag"] / max(g["mean_policy_lag"], 1e-9),
+                "step_time": s[time_key] / g[time_key],
+                "response_length": s["response_length_mean"] / g["response_length_mean"],
+                "step_time_key": time_key}
+
+    results = {
+        "benchmark": "group_vs_single --long-tail",
+        "quick": args.quick,
+        "setup": {"batch_trajectories": B, "steps": steps, "seed": args.seed, "staleness_cap": 4, "chunk_tokens": 8,
+                  "update_ticks": 1, "max_inflight_trajectories": B, "env": "toy_keys, long-tailed variant",
+                  "lisao_critic_warmup_steps": 0, "model": C.MODEL_DESCRIPTION},
+        "length_distribution": length_distribution({**LONG_TAIL_DEFAULT, "seed": args.seed}),
+        "single_over_group": ratios("deterministic", "sim_ticks_per_step"),
+        "single_over_group_concurrent": ratios("concurrent", "wall_s_per_step"),
+        "goal": {"mean_lag": 0.5, "step_time": 0.7},
+        "runs": rows,
+        "total_benchmark_wall_s": time.perf_counter() - started,
+        "machine": machine,
+    }
+    path = C.save_json(C.result_stem("group_vs_single_longtail", args.quick), results)
+    C.print_table([[r["label"], r["sim_ticks_per_step"] if r["sim_clock_ticks"] else "-", r["wall_s_per_step"],
+                    r["mean_policy_lag"], r["dropped_stale"], r["response_length_mean"], r["accuracy_final_20pct"]]
+                   for r in rows], ["run", "ticks/step", "wall s/step", "mean lag", "dropped", "resp len", "final acc"])
+    d = results["length_distribution"]
+    print(f"forced lengths: median {d['p50']}, p90 {d['p90']}, p99 {d['p99']} ({d['p99_over_median']:.1f}x median)")
+    for key in ("single_over_group", "single_over_group_concurrent"):
+        r = results[key]
+        print(f"{key}: mean lag {r['mean_lag']:.2f}x, step time {r['step_time']:.2f}x "
+              f"(goal 0.5x / 0.7x), response length {r['response_length']:.2f}x")
+    print(f"wrote {path}")
+    return results
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, in-flight B only (~1 min)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 36; quick 12)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--long-tail", action="store_true",
+                        help="long-tailed lengths, group of 8 vs single, both schedulers (module docstring)")
     args = parser.parse_args(argv)
+    if args.long_tail:
+        C.set_threads()
+        C.quiet_libraries()
+        return main_long_tail(args)
     steps = args.steps or (12 if args.quick else 36)
     C.set_threads()
     C.quiet_libraries()

@@ -23,7 +23,12 @@ from pathlib import Path
 
 import torch
 
-from async_rl.models.tiny import make_tiny_model
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_provenance  # noqa: E402
+
+from async_rl.models.tiny import make_tiny_model  # noqa: E402
 from async_rl.rollout import GenerationRequest, HFRolloutEngine, SamplingParams
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "rollout_throughput.json"
@@ -155,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
             "device": args.device,
             "cuda": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            **git_provenance(),
         },
     }
     out_path = Path(args.out)

@@ -2,8 +2,9 @@
 
 Same tiny model family, same task (toy_keys), same steps and batch. Each algorithm runs in its own
 subprocess so peak resident memory (ru_maxrss) is per run. Model-state bytes count parameters, gradients
-and optimizer states of every *trained* model (SAPO: the policy; PPO: actor + critic); SAPO's frozen
-reference policy for the KL term is reported separately (parameters only).
+and optimizer states of every *trained* model (SAPO: the policy; PPO: actor + critic); ``all_copies_bytes``
+adds every other copy either method keeps: SAPO's frozen reference policy for the KL term and the rollout
+engine's copy of the policy (parameters and buffers).
 Prints ratios and saves JSON to benchmarks/results/sapo_vs_ppo.json.
 
     .venv/bin/python benchmarks/sapo_vs_ppo.py [--steps 20] [--hidden-size 128] [--layers 4]
@@ -20,6 +21,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_provenance  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,10 +66,15 @@ def run_one(algo: str, model_dir: str, steps: int) -> dict:
     state_bytes = sum(e.model_state_bytes() for e in engines)
     ref = getattr(learner.actor, "ref_model", None)
     ref_bytes = sum(p.numel() * p.element_size() for p in ref.parameters()) if ref is not None else 0
+    engine_model = getattr(driver.rollout.engine, "model", None)
+    rollout_bytes = (sum(t.numel() * t.element_size() for t in [*engine_model.parameters(), *engine_model.buffers()])
+                     if engine_model is not None else 0)
     return {
         "algo": algo,
         "model_state_bytes": state_bytes,
         "reference_param_bytes": ref_bytes,
+        "rollout_copy_bytes": rollout_bytes,
+        "all_copies_bytes": state_bytes + ref_bytes + rollout_bytes,
         "trained_models": len(engines),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "train_s_per_iter": sum(step_times[1:]) / max(len(step_times) - 1, 1),  # first step warms up
@@ -106,6 +115,7 @@ def main() -> None:
     s, p = results["sapo"], results["ppo"]
     ratios = {
         "model_state_bytes": s["model_state_bytes"] / p["model_state_bytes"],
+        "all_copies_bytes": s["all_copies_bytes"] / p["all_copies_bytes"],
         "peak_rss_bytes": s["peak_rss_bytes"] / p["peak_rss_bytes"],
         "train_s_per_iter": s["train_s_per_iter"] / p["train_s_per_iter"],
         "wall_s_per_iter": s["wall_s_per_iter"] / p["wall_s_per_iter"],
@@ -114,7 +124,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"results": results, "sapo_over_ppo": ratios, "steps": args.steps,
                "model": {"hidden_size": args.hidden_size, "layers": args.layers},
-               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                           **git_provenance()}}
     (RESULTS / "sapo_vs_ppo.json").write_text(json.dumps(payload, indent=2) + "\n")
     print(f"saved {RESULTS / 'sapo_vs_ppo.json'}")
 

@@ -1,5 +1,5 @@
-"""One vLLM rollout replica (verl's vLLMReplica, unchanged) behind our ReplicaPool, on one GPU: tokens/s, the
-latency of an in-flight weight update through the object-store checkpoint engine, and the agreement between
+"""One vLLM rollout replica (our VLLMRolloutServer on AsyncLLM, docs/rollout.md §10) behind our ReplicaPool, on one GPU: tokens/s, the
+latency of an in-flight weight update (pause, load through /dev/shm, resume), and the agreement between
 vLLM's behaviour log-probs and a teacher-forced recomputation by the trainer's model (transformers, float32).
 
 Agreement per token: |log pi_vLLM - log pi_trainer| (mean, max) and the fraction of tokens whose ratio
@@ -53,7 +53,7 @@ def main() -> None:
     ray.init(include_dashboard=False)
     report: dict = {"engine": "vllm"}
     started = time.perf_counter()
-    pool = ReplicaPool(launch_replicas("vllm", 1, args.model), "vllm")
+    pool = ReplicaPool(launch_replicas("vllm", 1, args.model, device="cuda"), "vllm")
     report["launch_s"] = round(time.perf_counter() - started, 1)
     generator = torch.Generator().manual_seed(0)
 

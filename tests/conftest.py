@@ -1,4 +1,9 @@
-"""Fixtures shared by the rollout-replica test modules (each module gets its own instance: scope="module")."""
+"""Shared fixtures (module-scoped: each module gets its own instance) and the test tiers.
+
+Tiers are pytest markers (pyproject.toml): ``e2e``, ``ray``, ``vllm``, ``slow``. ``make test-fast`` deselects all
+four; ``make test`` runs everything. A test that asks for ``ray_cluster`` is marked ``ray`` here, so no Ray test
+can land in the fast tier by forgetting its marker.
+"""
 
 from __future__ import annotations
 
@@ -24,3 +29,9 @@ def tiny_model(tmp_path_factory):
     from async_rl.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)

@@ -295,6 +295,7 @@ def test_scripted_solution_wins(env, pick_task, cool_task, which, solution, cate
         env.step(act("look"))
 
 
+@pytest.mark.slow
 def test_games_stepping_at_once_on_threads_all_finish(pick_task, cool_task):
     """The rollout steps several episodes on env worker threads at once. textworld derives every step's text with
     one module-global (not thread-safe) parser; unguarded, concurrent steps broke it ("IndexError: pop from empty
@@ -425,6 +426,7 @@ def test_through_the_threaded_step_helpers_and_concurrent_resets(pick_task, cool
         envs[0].reset(pick_task)
 
 
+@pytest.mark.slow
 def test_closed_envs_let_the_interpreter_exit_cleanly(pick_task):
     """Unloading fast-downward's library copy (dlclose) crashes Python at exit; close() must not do it."""
     _require_alfworld()

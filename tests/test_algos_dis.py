@@ -21,6 +21,19 @@ def test_hand_computed_loss_and_exact_zero_gradient_outside_interval():
     # d(-ρA)/d log π = -ρA / 4 inside, exactly 0 outside
     assert log_prob.grad.tolist() == [[0.0, -0.25, -0.5, 0.0, 0.0]]
     assert metrics["actor/dis_masked_frac"] == 0.5
+    # kept ratios 1 and 2: k3 = (0 + (2 - 1 - ln 2)) / 2; ppo_kl (k1) over all four: -(ln .5 + ln 2 + ln 7) / 4
+    assert math.isclose(metrics["actor/dis_kept_kl"], (1 - math.log(2.0)) / 2, rel_tol=1e-6)
+    assert math.isclose(metrics["actor/ppo_kl"], -math.log(7.0) / 4, rel_tol=1e-6)
+
+
+def test_kept_kl_ignores_the_masked_tokens_that_dominate_ppo_kl():
+    # one token whose probability collapsed (ratio e^-8, masked) among 19 unchanged ones
+    behaviour = torch.zeros(1, 20)
+    log_prob = torch.zeros(1, 20)
+    log_prob[0, 0] = -8.0
+    _, metrics = dis_policy_loss(log_prob, behaviour, torch.ones(1, 20), torch.ones(1, 20))
+    assert math.isclose(metrics["actor/ppo_kl"], 8.0 / 20, rel_tol=1e-6)
+    assert metrics["actor/dis_kept_kl"] == 0.0
 
 
 def test_clipped_variant_is_pessimistic_and_still_masked():

@@ -1,5 +1,6 @@
 """Skip-observation GAE with length-adaptive λ (spec §3)."""
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -124,3 +125,28 @@ def test_sao_gae_whitens_and_returns_absolute_return():
     assert_close(ret, torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
     valid = adv[mask.bool()]
     assert abs(valid.mean().item()) < 1e-6 and abs(valid.std().item() - 1.0) < 1e-3
+
+
+def test_scan_levels_and_per_row_decays_match_the_recursion():
+    """Several recursion levels (M = 1000, block 4: 250 -> 63 -> 16 -> 4 heads), one decay per row including
+    0 and 1, against the step-by-step recursion in float64."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 1000, generator=g, dtype=torch.float64)
+    decay = torch.tensor([0.0, 0.5, 0.97, 1.0], dtype=torch.float64)
+    ref = torch.zeros_like(x)
+    running = torch.zeros(4, dtype=torch.float64)
+    for j in range(999, -1, -1):
+        running = x[:, j] + decay * running
+        ref[:, j] = running
+    assert_close(discounted_reverse_cumsum(x, decay, block=4), ref, atol=1e-9, rtol=1e-12)
+    # equal decays take the shared-matrix path: same answer as passing the float
+    same = torch.full((4,), 0.9, dtype=torch.float64)
+    assert_close(discounted_reverse_cumsum(x, same, block=16), discounted_reverse_cumsum(x, 0.9, block=16))
+
+
+def test_scan_rejects_bad_block_and_decay_shape():
+    x = torch.ones(3, 8)
+    with pytest.raises(ValueError, match="block must be >= 2"):
+        discounted_reverse_cumsum(x, 0.5, block=1)
+    with pytest.raises(ValueError, match="one entry per row"):
+        discounted_reverse_cumsum(x, torch.ones(2), block=4)

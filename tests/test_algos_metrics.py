@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import numpy as np
 import torch
 
@@ -42,3 +43,25 @@ def test_pass_at_k():
         assert "exceeds" in str(err)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_mismatch_metrics_k3_abs_and_dis_band_share_by_hand():
+    """log r = trainer - behaviour = [0, 0.5, -1]; only the first two tokens are at the current version:
+    k3 = [0, e^0.5 - 1.5] -> mean 0.0743606, |log r| mean 0.25; the DIS band (0.7, 6) masks r = e^-1 only (1/3);
+    the padded fourth position counts nowhere."""
+    import math
+
+    import torch
+
+    from async_rl.algos.metrics import mismatch_metrics, mismatch_sums
+
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    trainer = torch.tensor([[-1.0, -1.5, -1.5, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    current = torch.tensor([[True, True, False, True]])
+    out = mismatch_metrics({k: float(v) for k, v in mismatch_sums(behaviour, trainer, mask, current, 0.7, 6.0).items()})
+    assert out["rollout/mismatch_kl"] == pytest.approx((math.exp(0.5) - 1.5) / 2, abs=1e-7)
+    assert out["rollout/mismatch_abs_logprob_mean"] == pytest.approx(0.25, abs=1e-7)
+    assert out["rollout/mismatch_tokens"] == 2.0 and out["rollout/dis_band_masked_frac"] == pytest.approx(1 / 3)
+    empty = mismatch_sums(behaviour, trainer, mask, torch.zeros_like(current), 0.7, 6.0)
+    assert mismatch_metrics({k: float(v) for k, v in empty.items()})["rollout/mismatch_kl"] == 0.0

@@ -11,6 +11,9 @@ import torch
 from async_rl.rollout.base import GenerationRequest, SamplingParams
 
 
+pytestmark = pytest.mark.ray
+
+
 def test_manager_settings_are_checked():
     from async_rl.rollout.client import ReplicaSettings
 

@@ -120,8 +120,8 @@ def test_every_numeric_algorithm_field_has_a_range():
 
 
 def test_numbers_are_normalised_to_the_annotated_type():
-    cfg = algorithm_config_from_dict({"name": "grpo", "actor_lr": 1, "train_batch_trajectories": 1.6e1,
-                                      "group_size": 8, "gate": {"t_max": 2e2}})
+    cfg = algorithm_config_from_dict({"name": "li2sao", "use_critic": True, "policy_loss": "dis_clip", "actor_lr": 1,
+                                      "train_batch_trajectories": 1.6e1, "group_size": 8, "gate": {"t_max": 2e2}})
     # int 1 for a float field -> 1.0; 1.6e1 (a float in YAML) for an int field -> 16
     assert (cfg.actor_lr, type(cfg.actor_lr)) == (1.0, float)
     assert (cfg.train_batch_trajectories, type(cfg.train_batch_trajectories)) == (16, int)

@@ -239,7 +239,8 @@ def test_env_crashes_abort_the_episode_and_never_reach_training():
 
 
 def test_overlong_penalty_is_applied_at_episode_end():
-    """DAPO's soft penalty (spec §2) on the model tokens of a response entering the last quarter of the budget."""
+    """DAPO's soft penalty (spec §2) on responses entering the final quarter of their context window
+    (max_response_tokens, capped by what the model's context leaves after the prompt)."""
     from async_rl.driver.episode import Episode, EpisodeLimits
     from async_rl.envs.base import Env, StepResult
     from async_rl.rollout.base import GenerationOutput, SamplingParams
@@ -255,21 +256,25 @@ def test_overlong_penalty_is_applied_at_episode_end():
         end_token_id = None
 
         def prompt_ids(self, text):
-            return [1]
+            return [1] * 8  # an 8-token prompt
 
-    def play(n_tokens, penalty):
-        limits = EpisodeLimits(max_turns=1, max_response_tokens=40, overlong_penalty=penalty)
-        ep = Episode(Solved(), {}, Formatter(), SamplingParams(max_new_tokens=40), limits, "u", "g", 1, 0)
+    def play(n_tokens, penalty, max_context_tokens=None):
+        limits = EpisodeLimits(max_turns=1, max_response_tokens=32, overlong_penalty=penalty,
+                               max_context_tokens=max_context_tokens)
+        ep = Episode(Solved(), {}, Formatter(), SamplingParams(max_new_tokens=32), limits, "u", "g", 1, 0)
         ep.begin()
         req = ep.next_request()
         ep.on_output(GenerationOutput(req.request_id, req.prompt_ids, [7] * n_tokens, [-0.1] * n_tokens,
                                       [0] * n_tokens, "stop", "ok"))
         return ep.trajectory
 
-    # budget 40, cache 10: 30 tokens are free; 35 tokens are halfway into the cache -> 1 - 0.5
-    assert play(30, True).reward == 1.0
-    assert play(35, True).reward == 0.5 and play(35, True).success
-    assert play(35, False).reward == 1.0
+    # window 32, final quarter 8: 24 tokens are free; 28 are halfway in -> 1 - 0.5
+    assert play(24, True).reward == 1.0
+    assert play(28, True).reward == 0.5 and play(28, True).success
+    assert play(28, False).reward == 1.0
+    # the model's context caps the window: 20 - 8 prompt tokens = 12, free 9; 10 tokens -> -(10 - 9) / 3
+    # (the rule before counted against max_response_tokens only: 10 of 32 was free)
+    assert play(10, True, max_context_tokens=20).reward == pytest.approx(1.0 - 1.0 / 3.0)
 
 
 def test_synchronous_baseline_is_on_policy(tiny_model):

@@ -17,6 +17,10 @@ import torch.multiprocessing as mp
 from async_rl.engine import FSDPEngine, GlobalDenominator, OptimizerConfig, dist
 from async_rl.models.logprobs import response_token_logprobs
 
+# two gloo ranks in spawned processes: tens of seconds of start-up
+pytestmark = pytest.mark.slow
+
+
 TOL = 1e-5
 WORLD_SIZE = 2
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 4, 6, 128
@@ -160,6 +164,7 @@ def assert_state_close(actual: dict, expected: dict, atol: float = TOL) -> None:
         torch.testing.assert_close(actual[name], tensor, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_dp_loss_equals_full_batch_token_mean(single_and_dp):
     single, ranks = single_and_dp
     for result in ranks:

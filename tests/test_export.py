@@ -167,6 +167,7 @@ def test_last_run_pointer_errors(tmp_path):
     assert EXPORT_KEY == "async_rl"
 
 
+@pytest.mark.slow
 def test_train_exports_and_eval_without_arguments_evaluates_it(tmp_path, monkeypatch, capsys):
     """The new user's path: train -> `make eval` (no MODEL, no ENV) -> `make plots` (no RUN)."""
     from hydra import compose, initialize_config_dir

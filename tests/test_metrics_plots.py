@@ -354,6 +354,7 @@ def test_eval_figure_pass_at_k_per_year_and_success_per_category(tmp_path):
         build_eval_figure({"sets": {}})
 
 
+@pytest.mark.slow
 def test_comparison_of_two_runs(tmp_path):
     grpo = _write_run(tmp_path / "grpo", with_critic=False, lag_scale=2.0)
     li2sao = _write_run(tmp_path / "li2sao", switch_at=10, passk={"k": [1, 4], "pass": [0.5, 0.75]})
@@ -374,6 +375,7 @@ def test_plot_comparison_accepts_driver_histories(tmp_path):
         plot_comparison({"a": hist}, tmp_path / "bad.png", x="wall")
 
 
+@pytest.mark.slow
 def test_plot_cli_two_runs(tmp_path):
     first = _write_run(tmp_path / "run1", switch_at=8)
     second = _write_run(tmp_path / "run2", lag_scale=0.5)

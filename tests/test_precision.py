@@ -279,6 +279,7 @@ def _spawn(world_size: int, out_dir: str) -> list[dict]:
     return [torch.load(os.path.join(out_dir, f"w{world_size}_r{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+@pytest.mark.slow
 def test_two_ranks_token_budget_and_bf16_mixed_precision(tmp_path):
     (single,) = _spawn(1, str(tmp_path))
     ranks = _spawn(2, str(tmp_path))

@@ -6,6 +6,9 @@ import torch
 from async_rl.config import AlgorithmConfig, GateConfig
 
 
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     import ray

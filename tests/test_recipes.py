@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"aime": "li2sao", "retool": "lisao", "webshop": "sapo", "alfworld": "sapo"}
 # the phases each tiny recipe stands for (async_rl.run_summary.phase_report), all of which must happen

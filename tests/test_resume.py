@@ -22,6 +22,9 @@ from async_rl.driver.checkpoint import (CheckpointError, list_checkpoints, load_
                                         read_checkpoint, write_checkpoint)
 from async_rl.tracking import RunLogger, rows_up_to
 
+pytestmark = pytest.mark.e2e
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

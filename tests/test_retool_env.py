@@ -235,3 +235,18 @@ def test_registry_and_config_kwargs():
     assert len(make_retool_tasks({"train_data": "toy", "num_tasks": 4}, seed=0)) == 4
     with pytest.raises(KeyError, match="answer"):
         env.reset({"id": "x", "prompt": "p"})
+
+
+def test_memory_overrun_outside_processes_is_scored_not_aborted():
+    # Issue 21's reproducer through the real sandbox and the env: memory held in socket buffers (charged
+    # to the run's cgroup, to no process), then exec a tiny shell. It used to come back as sandbox_error,
+    # so the step aborted and the trajectory was thrown away; it is the code's own overrun: an observation.
+    from test_sandbox_attacks import SOCKET_BUFFER_OOM
+
+    env = ReToolEnv(sandbox_kwargs={"memory_limit_mb": 512, "timeout_s": 20})
+    assert env.sandbox.isolation.memory_scope == "cgroup", env.sandbox.isolation.warnings  # CI: root + cgroups
+    env.reset(TASK)
+    outcome = run_env_step(env, f"<code>{SOCKET_BUFFER_OOM}</code>", timeout_s=60)
+    assert not outcome.aborted, outcome.error
+    assert outcome.result.info["code_error_kind"] == "memory"
+    assert "memory" in outcome.result.observation.lower() and not outcome.result.done

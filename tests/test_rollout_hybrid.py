@@ -12,6 +12,9 @@ import torch
 from async_rl.rollout.base import GenerationRequest, SamplingParams
 
 
+pytestmark = pytest.mark.ray
+
+
 # ---------------------------------------------------------------------------------------------- no Ray needed
 def test_hybrid_settings_are_checked_before_anything_starts():
     from async_rl.rollout.client import ReplicaSettings

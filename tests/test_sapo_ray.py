@@ -14,13 +14,16 @@ import math
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (a hard dependency: a broken Ray must fail, not skip)
 
 from async_rl.config import AlgorithmConfig  # noqa: E402
 from async_rl.driver.driver import DriverConfig  # noqa: E402
 from async_rl.driver.episode import EpisodeLimits  # noqa: E402
 from async_rl.engine.settings import TrainingSettings  # noqa: E402
 from async_rl.models.tiny import make_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
 
 # SapoRole.update metrics a 2-rank step must reproduce to fp32 rounding (the V/Q terms read the same frozen
 # targets; the gradient norm sums every term's gradient)

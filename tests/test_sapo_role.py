@@ -437,6 +437,7 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: s
         dist.destroy_distributed()
 
 
+@pytest.mark.slow
 def test_data_parallel_update_equals_single_process(tiny_dir, tmp_path):
     import torch.multiprocessing as mp
 

@@ -12,6 +12,9 @@ from async_rl.models.sft import (
 from async_rl.models.tiny import make_tiny_model
 
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from async_rl.models.loading import load_tokenizer

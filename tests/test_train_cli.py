@@ -50,7 +50,14 @@ def test_config_errors_fail_before_anything_starts(overrides, message, tmp_path)
     ("env.max_turns=-1", "error: env.max_turns=-1: must be an integer >= 1"),
     ("env.env_timeout_s=0", "error: env.env_timeout_s=0: must be a finite number > 0"),
     ("algorithm.gamma=2", "error: algorithm.gamma=2: must be a finite number in [0, 1]"),
+    # keys nothing reads for the chosen algorithm (conf/config.yaml: li2sao) are refused, not ignored
+    ("algorithm.entropy_coef=0.5", "error: algorithm.entropy_coef=0.5 is not read by algorithm=li2sao (no entropy "
+                                   "bonus: spec §3 sets the coefficient to 0); allowed: 0.0"),
+    ("algorithm.policy_loss=ppo_clip", "error: algorithm.policy_loss='ppo_clip' is not read by algorithm=li2sao "
+                                       "(Li2SAO uses dis_clip in the bootstrap and dis after the switch (spec §4)); "
+                                       "allowed: 'dis_clip'"),
 ])
+@pytest.mark.slow
 def test_cli_prints_one_error_line_and_exits_2_before_any_model_is_built(override, message, tmp_path):
     import os
     import subprocess
@@ -67,6 +74,7 @@ def test_cli_prints_one_error_line_and_exits_2_before_any_model_is_built(overrid
     assert not (tmp_path / "never-built").exists(), "the tiny model was built before the config was checked"
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end_run_writes_outputs(tmp_path):
     cfg = _cfg("algorithm=grpo", "algorithm.train_batch_trajectories=8", "algorithm.group_size=4",
                "model.sft.enabled=false", "model.hidden_size=32", "model.num_layers=1",

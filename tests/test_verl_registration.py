@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 SNAPSHOT = r"""
@@ -28,6 +29,7 @@ def _run(code, **env):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_import_registers_names_and_changes_no_verl_entry():
     res = _run(SNAPSHOT, VERL_USE_EXTERNAL_PLUGINS="none")
     before, after = res["before"], res["after"]
@@ -39,6 +41,7 @@ def test_import_registers_names_and_changes_no_verl_entry():
     assert after["sapo"].startswith("verl."), "verl's own 'sapo' loss must stay verl's"
 
 
+@pytest.mark.slow
 def test_entry_point_registers_in_stock_verl():
     code = ("import json, sys; from verl.trainer.ppo import core_algos as c; "
             "print(json.dumps({'adv': sorted(c.ADV_ESTIMATOR_REGISTRY), 'loss': sorted(c.POLICY_LOSS_REGISTRY),"

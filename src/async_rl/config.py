@@ -39,6 +39,8 @@ ALGORITHM_RANGES = {
     "sapo_c_q": ">= 0",
     "sapo_c_h": ">= 0",
     "sapo_invalid_penalty": ">= 0",
+    "kl_warn_threshold": ">= 0",
+    "kl_warn_kept_threshold": ">= 0",
 }
 
 
@@ -69,9 +71,9 @@ class AlgorithmConfig:
     name: str = "grpo"  # one of ALGORITHMS
     train_batch_trajectories: int = 128  # B, trajectories per optimizer batch (spec §1)
     group_size: int = 8  # n, responses per prompt (GRPO 8, LiSAO 1, Li2SAO bootstrap n_b = 8)
-    gamma: float = 1.0  # γ (spec §3)
+    gamma: float = 1.0  # γ of GAE (spec §3) and of the Li2SAO bootstrap return Ĝ (spec §4); GRPO reads none
     actor_lr: float = 1e-6  # actor learning rate
-    entropy_coef: float = 0.0  # entropy bonus (spec §3: 0)
+    entropy_coef: float = 0.0  # entropy bonus: must stay 0 (spec §3: coefficient 0; SAPO's is sapo_c_h)
     grpo_epsilon: float = 1e-6  # ε in the group advantage denominator (spec §2)
     clip: ClipConfig = field(default_factory=ClipConfig)
     overlong_penalty: bool = True  # DAPO soft overlong penalty in the last quarter of the context (spec §2)
@@ -89,6 +91,8 @@ class AlgorithmConfig:
     policy_loss: str = "ppo_clip"  # verl policy-loss name: ppo_clip (Eq. 1), dis, dis_clip, vanilla (ablation: verl's, adds dual clip c=3); Li2SAO uses dis_clip then dis, SAPO its own
     loss_agg_mode: str = "seq-mean-token-mean"  # Eq. 1: mean over trajectories of each one's token mean; token-mean = ablation
     dis: DISConfig = field(default_factory=DISConfig)
+    kl_warn_threshold: float = 0.1  # WARNING + actor/kl_warning when actor/ppo_kl, KL(π_{r,v_t} || π_θ) of ρ (spec §3), exceeds this; 0 = off
+    kl_warn_kept_threshold: float = 0.02  # dis/dis_clip: warn only if actor/dis_kept_kl (KL on the tokens inside the DIS band) also exceeds this; 0 = actor/ppo_kl alone
     # Li2SAO
     single_group_size: int = 1  # n_s after the switch (spec §4)
     rank_margin: float = 0.1  # m of the terminal ranking loss (spec §4)
@@ -138,6 +142,58 @@ class AlgorithmConfig:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"algorithm.loss_agg_mode={self.loss_agg_mode!r}; valid choices: "
                              f"{', '.join(LOSS_AGG_MODES)}")
+        if self.name in ("grpo", "sapo") and self.use_critic:
+            raise ConfigError(f"algorithm.use_critic=true: {self.name} trains no separate critic; set "
+                              "algorithm.use_critic=false")
+        for key, (allowed, why) in unread_keys(self).items():
+            value = _dotted(self, key)
+            if value != allowed:
+                raise ConfigError(f"algorithm.{key}={value!r} is not read by algorithm={self.name} ({why}); "
+                                  f"allowed: {allowed!r}")
+
+
+def _dotted(obj: Any, key: str) -> Any:
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def unread_keys(cfg: "AlgorithmConfig") -> dict[str, tuple[Any, str]]:
+    """``{dotted key: (the one allowed value, why)}`` for every field that ``cfg.name`` (with its policy loss)
+    never reads although it names a part of that algorithm's computation: :meth:`AlgorithmConfig.validate`
+    refuses any other value there, so no such key is accepted and then ignored. The allowed value is the
+    field's default unless named here. Settings of *another* algorithm's parts (``gate.*``/``rank_*`` outside
+    li2sao, ``sapo_*`` outside sapo, critic keys without a critic, ``grpo_epsilon`` without a group advantage)
+    are not refused: a recipe sets them once for every ``algorithm=`` it may be launched with (conf/demo.yaml's
+    gate, recipes/retool_tiny.yaml's critic warm-up), and no reader of this algorithm can be mistaken for them."""
+    default = AlgorithmConfig()
+    out: dict[str, tuple[Any, str]] = {}
+
+    def unread(keys, why, allowed=None):
+        for key in keys:
+            out[key] = (_dotted(default, key) if allowed is None else allowed, why)
+
+    unread(["entropy_coef"], "no entropy bonus: spec §3 sets the coefficient to 0"
+           + ("; SAPO's entropy weight is algorithm.sapo_c_h" if cfg.name == "sapo" else ""))
+    if cfg.name == "grpo":
+        unread(["gamma"], "the group advantage uses the terminal reward only")
+    if cfg.name == "sapo":
+        why = "SAPO's loss is its own: token-level PPO clip with ε = algorithm.clip.clip_ratio_low, turn means"
+        unread(["policy_loss", "loss_agg_mode", "clip.clip_ratio_high", "dis.low", "dis.high"], why)
+    elif cfg.name == "li2sao":
+        unread(["policy_loss"], "Li2SAO uses dis_clip in the bootstrap and dis after the switch (spec §4)",
+               allowed="dis_clip")
+    elif cfg.policy_loss in ("ppo_clip", "vanilla"):
+        unread(["dis.low", "dis.high"], f"policy_loss={cfg.policy_loss} has no DIS mask")
+    if cfg.name == "sapo" or (cfg.name != "li2sao" and cfg.policy_loss in ("ppo_clip", "vanilla")):
+        unread(["kl_warn_kept_threshold"], "only the DIS losses (dis, dis_clip) report actor/dis_kept_kl")
+    elif cfg.policy_loss == "dis":
+        unread(["clip.clip_ratio_low", "clip.clip_ratio_high"], "policy_loss=dis has no ratio clip (spec §3)")
+    if cfg.name in ("lisao", "ppo") and not cfg.clip_absolute_value_loss:
+        unread(["value_clip"], "Eq. 5's absolute-return loss is unclipped; set clip_absolute_value_loss=true")
+    if cfg.gae_lambda is not None and cfg.name != "grpo" and cfg.name != "sapo":
+        unread(["gae_alpha"], "a fixed algorithm.gae_lambda replaces the length-adaptive λ")
+    return out
 
 
 def algorithm_config_from_dict(data: dict[str, Any]) -> AlgorithmConfig:

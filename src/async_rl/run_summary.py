@@ -25,6 +25,26 @@ def _values(history: list[dict], key: str) -> list[float]:
     return out
 
 
+# a collapse (issue 19): success reached COLLAPSE_HIGH, then stayed below COLLAPSE_LOW for COLLAPSE_STEPS steps
+COLLAPSE_HIGH, COLLAPSE_LOW, COLLAPSE_STEPS = 0.9, 0.5, 5
+
+
+def collapse_step(success: list[float], high: float = COLLAPSE_HIGH, low: float = COLLAPSE_LOW,
+                  run: int = COLLAPSE_STEPS) -> Optional[int]:
+    """1-based step where a collapse begins: the first of ``run`` consecutive steps below ``low`` after the
+    success first reached ``high``; None when there is none (benchmarks/stability_map.py, tests/test_learning.py)."""
+    reached = False
+    streak = 0
+    for i, value in enumerate(success):
+        if not reached:
+            reached = value >= high
+            continue
+        streak = streak + 1 if value < low else 0
+        if streak >= run:
+            return i + 2 - run
+    return None
+
+
 def phase_report(history: list[dict], algorithm: str, env_name: str,
                  switch_step: Optional[int] = None, switch_forced: Optional[bool] = None) -> dict[str, Any]:
     """``{"phases": {name: {"ran": bool, ...}}, "warnings": [str, ...]}`` for one run.
@@ -63,6 +83,12 @@ def phase_report(history: list[dict], algorithm: str, env_name: str,
     switch = phases.get("li2sao_switch")
     if switch and switch["ran"] and switch["gate_opened_on_evidence"] is False:
         warnings.append("Li2SAO's switch was forced at T_max: the readiness gate never opened on evidence")
+    over = [row for row in history if row.get("actor/kl_warning") == 1.0]
+    if over:  # async_rl.driver.kl_guard: the regime where DIS collapsed (docs/algorithms.md, Stability)
+        peak = max(float(row["actor/ppo_kl"]) for row in over)
+        warnings.append(f"actor/ppo_kl exceeded algorithm.kl_warn_threshold on {len(over)} of {int(sum(updates))} "
+                        f"actor updates (first at step {int(over[0].get('trainer/step', 0))}, peak {peak:.3f}): "
+                        "lower algorithm.actor_lr or trainer.driver.staleness_cap")
     return {"phases": phases, "warnings": warnings}
 
 

@@ -25,9 +25,10 @@ from async_rl.config import AlgorithmConfig, algorithm_config_from_dict
 from async_rl.driver.checkpoint import CheckpointError, list_checkpoints
 from async_rl.driver.driver import DriverConfig
 from async_rl.driver.episode import EpisodeLimits
+from async_rl.models.loading import check_attn_implementation
 from async_rl.rollout.client import ReplicaSettings
-from async_rl.validation import (SEED_RULE, ConfigError, check_env, check_model, check_trainer, check_value,
-                                 first_line)
+from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,
+                                 check_value, first_line)
 
 REPO_CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -60,20 +61,25 @@ def check_machine(cfg: DictConfig) -> None:
 
 
 def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: DictConfig | None = None,
-                  tasks: list[dict[str, Any]] | None = None) -> str:
+                  tasks: list[dict[str, Any]] | None = None, for_vllm_cpu: bool = False) -> str:
     """Return the directory of the policy checkpoint, building and warm-starting a tiny one if asked.
 
     Toy envs warm-start on their generated demonstrations; math/retool/alfworld/webshop on scripted
     episodes of the run's own training ``tasks``, played in the env built from ``env_cfg``
-    (:func:`async_rl.models.sft.sft_warm_start_on_tasks`)."""
+    (:func:`async_rl.models.sft.sft_warm_start_on_tasks`). ``for_vllm_cpu``: a built tiny model gets head_dim 32
+    (vLLM's CPU minimum: ``hidden_size / 32`` heads, 1 KV head) in its own directory ``<dir>-hd32``."""
     target = Path(model_cfg.dir)
     if model_cfg.build_tiny:
+        heads = {}
+        if for_vllm_cpu:
+            target = Path(f"{model_cfg.dir}-hd32")
+            heads = {"num_heads": max(1, int(model_cfg.hidden_size) // 32), "num_kv_heads": 1}
         base = target / "base"
         if not (base / "config.json").exists():
             from async_rl.models.tiny import make_tiny_model
 
             make_tiny_model(base, hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, seed=seed,
-                            max_position_embeddings=int(model_cfg.get("max_position_embeddings") or 1024))
+                            max_position_embeddings=int(model_cfg.get("max_position_embeddings") or 1024), **heads)
         source = base
     else:
         source = target
@@ -144,8 +150,6 @@ def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
         return dict(alfworld_env_kwargs(env_cfg))
     return {}
 
-
-TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld")
 
 
 def summarize(history: list[dict], driver, env_name: str = "") -> dict[str, Any]:
@@ -298,6 +302,10 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda: no CUDA GPU is visible (torch.cuda.is_available() is False); "
                               "use trainer.device=cpu or trainer.device=auto")
+    try:  # flash_attention_2 without flash-attn, a GPU or bf16: refused before any model is built
+        check_attn_implementation(checked["model"].get("attn_implementation", "sdpa"), device, trainer.get("precision", "fp32"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     return CheckedRun(algo, driver_cfg, device)
 
 
@@ -317,7 +325,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     from async_rl.tracking import RunLogger
 
     tasks = make_tasks(cfg.env, cfg.seed)  # data files are read (and fail) before the model is built
-    model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks)
+    vllm_cpu = cfg.get("rollout") is not None and cfg.rollout.get("engine") == "vllm" and device == "cpu"
+    model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks, for_vllm_cpu=vllm_cpu)
     spec = RunSpec(
         model_path=model_path, env_name=cfg.env.name, env_kwargs=env_kwargs(cfg.env),
         tasks=tasks, seed=cfg.seed,
@@ -328,7 +337,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         max_grad_norm=cfg.trainer.max_grad_norm, micro_batch_size=cfg.trainer.micro_batch_size, device=device,
         training=TrainingSettings(precision=cfg.trainer.precision,
                                   max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
-                                  activation_checkpointing=cfg.trainer.activation_checkpointing).validate(),
+                                  activation_checkpointing=cfg.trainer.activation_checkpointing,
+                                  attn_implementation=cfg.model.get("attn_implementation", "sdpa"), device=device).validate(),
         workers=cfg.trainer.workers, train_workers=cfg.trainer.train_workers,
         rollout=ReplicaSettings.from_config(cfg.get("rollout")),
     )

@@ -393,6 +393,7 @@ MODEL_RULES: dict[str, Rule] = {
     "build_tiny": Rule("bool"),
     "hidden_size": Rule("int", ">= 8", optional=True),
     "num_layers": Rule("int", ">= 1", optional=True),
+    "attn_implementation": Rule("str", choices=("sdpa", "flash_attention_2", "eager")),  # models.loading
     "sft": Rule("mapping"),
     "sft.enabled": Rule("bool"),
     "sft.noise": Rule("float", "[0, 1]", optional=True),

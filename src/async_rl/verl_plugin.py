@@ -251,7 +251,7 @@ def _add(registry: dict, name: str, fn) -> None:
 def _load_hf_replica():
     """Loader for verl's RolloutReplicaRegistry: ``rollout.engine=hf`` is our transformers engine as a
     ``RolloutReplica`` (imported only when asked for: it pulls in Ray actors and verl's checkpoint engines)."""
-    from async_rl.rollout.replica import HFReplica
+    from async_rl.rollout.replicas import HFReplica
 
     return HFReplica
 

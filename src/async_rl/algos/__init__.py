@@ -16,6 +16,7 @@ from async_rl.algos.grpo import broadcast_to_tokens, group_statistics, grpo_grou
 from async_rl.algos.li2sao import (
     READINESS_FIELDS,
     ReadinessGate,
+    bootstrap_returns,
     clipped_value_loss,
     divergence_mask,
     li2sao_advantage,

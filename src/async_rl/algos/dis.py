@@ -59,7 +59,8 @@ def dis_policy_loss(
 
     Returns:
         ``(loss, metrics)``; metrics ``actor/dis_masked_frac``, ``actor/ppo_kl`` (w.r.t. behaviour),
-        ``actor/pg_clipfrac`` (0 without clipping).
+        ``actor/dis_kept_kl`` (k3 estimate ``ρ - 1 - log ρ`` over the tokens inside the band: the drift on
+        the tokens that carry gradient), ``actor/pg_clipfrac`` (0 without clipping).
     """
     if low >= 1.0 or high <= 1.0:
         raise ValueError(f"DIS interval must contain 1: got ({low}, {high}); spec §3 uses (0.7, 6.0)")
@@ -80,6 +81,9 @@ def dis_policy_loss(
     metrics = {
         "actor/dis_masked_frac": (masked_mean(1.0 - keep, mask)).item(),
         "actor/ppo_kl": masked_mean(-log_ratio.detach(), mask).item(),
+        # ppo_kl counts the masked tokens too; a few whose probability collapsed can dominate it although the
+        # band already gives them zero weight (docs/algorithms.md, "Stability")
+        "actor/dis_kept_kl": masked_mean(ratio.detach() - 1.0 - log_ratio.detach(), keep).item(),
         "actor/pg_clipfrac": float(clipfrac),
     }
     return loss, metrics

@@ -9,10 +9,11 @@ Observation tokens (``response_mask == 0``) carry no value transition and no adv
 jumps over them. Rewards must sit on model tokens (the outcome reward on the last one); anything on an
 observation or padding position is ignored.
 
-Implementation: model tokens are compacted to the left of each row (a stable sort), the recursion is
-evaluated as a blocked discounted reverse cumulative sum (a small matrix product inside blocks of
-``block`` steps, a Python loop only across blocks), and results are scattered back. This is exact, works
-with a different λ per trajectory, and runs ``T/block`` Python steps instead of ``T``.
+Implementation: model tokens are compacted to the left of each row (a scatter by their running count),
+the recursion is evaluated as a blocked discounted reverse cumulative sum (one matrix product inside
+blocks of ``block`` steps, one across the blocks' first entries, no Python loop), and results are
+gathered back. This is exact, works with a different λ per trajectory, and runs a fixed number of
+tensor operations whatever the length.
 """
 
 from __future__ import annotations
@@ -38,46 +39,67 @@ def length_adaptive_lambda(response_mask: torch.Tensor, alpha: float = 1.5) -> t
     return lam.clamp(0.0, 1.0)
 
 
-def discounted_reverse_cumsum(x: torch.Tensor, decay: torch.Tensor, block: int = 64) -> torch.Tensor:
+def _decay_powers(decay: torch.Tensor, n: int, scale: int = 1) -> torch.Tensor:
+    """``w[r, j, k] = decay_r^(scale (k - j))`` for ``k >= j``, else 0; ``(rows, n, n)`` for ``decay`` of
+    shape ``(rows,)``. pow(0, 0) = 1 keeps a zero decay exact."""
+    steps = torch.arange(n, device=decay.device, dtype=decay.dtype)
+    offset = steps.view(1, n) - steps.view(n, 1)  # offset[j, k] = k - j
+    powers = torch.pow(decay.view(-1, 1, 1), scale * offset.clamp_min(0))
+    return powers.masked_fill_(offset < 0, 0.0)
+
+
+def discounted_reverse_cumsum(x: torch.Tensor, decay: torch.Tensor | float, block: int = 32) -> torch.Tensor:
     """``y_j = x_j + decay * y_{j+1}`` along the last axis, with ``y`` past the end = 0.
+
+    No Python loop over steps: inside each block of ``block`` steps, ``local = W x`` with
+    ``W[j, k] = decay^(k-j)`` (one matrix product); the first entries of the blocks obey the same
+    recursion with decay^block, solved by this function on the ``M/block`` of them (log_block(M) levels);
+    each block then adds ``decay^(block-j)`` times the first entry of the next block. One decay for every
+    row (a float, or a tensor of equal entries) shares one ``W`` (a plain matrix product); different decays
+    build one ``W`` per row.
 
     Args:
         x: ``(bs, M)``.
-        decay: ``(bs,)`` or a float, the per-row discount (γλ).
+        decay: a float, or ``(bs,)`` the per-row discount (γλ).
         block: steps solved at once by a ``(block, block)`` matrix product.
 
     Returns:
         ``(bs, M)`` in the dtype of ``x``.
     """
+    if block < 2:
+        raise ValueError(f"block must be >= 2 (the scan recurses on M/block block heads), got {block}")
     bs, M = x.shape
-    if M == 0:
+    if M == 0 or bs == 0:
         return x.clone()
-    decay = torch.as_tensor(decay, dtype=x.dtype, device=x.device).expand(bs).reshape(bs, 1, 1)
+    decay = torch.as_tensor(decay, dtype=x.dtype, device=x.device).reshape(-1)
+    if decay.numel() not in (1, bs):
+        raise ValueError(f"decay must be a float or have one entry per row ({bs}), got {decay.numel()} entries")
+    if decay.numel() > 1 and bool((decay == decay[0]).all()):
+        decay = decay[:1]
+    rows = decay.numel()  # 1: one W for all rows
     b = min(block, M)
     n_blocks = -(-M // b)
     padded = torch.nn.functional.pad(x, (0, n_blocks * b - M)).reshape(bs, n_blocks, b)
+    weights = _decay_powers(decay, b).transpose(1, 2)  # (rows, b, b), weights[r, k, j] = decay^(k-j)
+    local = torch.matmul(padded, weights[0] if rows == 1 else weights)  # (bs, n_blocks, b)
+    if n_blocks == 1:
+        return local.reshape(bs, b)[:, :M]
+    # heads[n] = out[n, 0] = local[n, 0] + decay^b * heads[n + 1]: the same scan, M/b long (recursively)
+    heads = discounted_reverse_cumsum(local[:, :, 0], torch.pow(decay, b), block=block)  # (bs, n_blocks)
+    next_head = torch.nn.functional.pad(heads[:, 1:], (0, 1))  # 0 after the last block
     steps = torch.arange(b, device=x.device, dtype=x.dtype)
-    offset = steps.view(1, b) - steps.view(b, 1)  # offset[j, k] = k - j
-    # weights[r, j, k] = decay_r^(k-j) for k >= j; pow(0, 0) = 1 keeps λ = 0 exact
-    weights = torch.where(offset >= 0, torch.pow(decay, offset.clamp_min(0)), torch.zeros((), dtype=x.dtype))
-    local = torch.einsum("rjk,rnk->rnj", weights, padded)  # (bs, n_blocks, b)
-    carry_scale = torch.pow(decay.view(bs, 1), (b - steps).view(1, b))  # decay^(b-j), (bs, b)
-    out = torch.empty_like(local)
-    carry = torch.zeros(bs, 1, dtype=x.dtype, device=x.device)
-    for n in range(n_blocks - 1, -1, -1):  # the only loop: across blocks
-        out[:, n] = local[:, n] + carry_scale * carry
-        carry = out[:, n, :1]
+    carry_scale = torch.pow(decay.view(rows, 1), (b - steps).view(1, b))  # decay^(b-j), (rows, b)
+    out = local.addcmul_(next_head.unsqueeze(-1), carry_scale.unsqueeze(1))
     return out.reshape(bs, n_blocks * b)[:, :M]
 
 
-def _compact_model_tokens(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Stable permutation putting each row's model tokens first, their counts, and the max count."""
-    bs, T = response_mask.shape
+def _compact_index(response_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Column of each model token in the left-compacted layout (its rank among the row's model tokens);
+    every other position points at a spare column ``M`` (``M`` = the longest row's model-token count)."""
     is_model = response_mask.bool()
-    key = (~is_model).to(torch.int64) * T + torch.arange(T, device=response_mask.device)
-    order = torch.argsort(key, dim=-1, stable=True)
-    lengths = is_model.sum(dim=-1)
-    return order, lengths, int(lengths.max().item()) if bs else 0
+    rank = is_model.cumsum(dim=-1, dtype=torch.int64).sub_(1)
+    M = int(rank[:, -1].max().item()) + 1 if rank.numel() else 0
+    return rank.masked_fill_(~is_model, M), M
 
 
 def masked_whiten(
@@ -90,14 +112,15 @@ def masked_whiten(
     The variance is unbiased (``n - 1``), as verl's ``masked_whiten``. Masked-out entries return 0.
     """
     m = mask.to(x.dtype)
-    stats = torch.stack([m.sum(), (x * m).sum(), (x * x * m).sum()])
+    xm = x * m
+    stats = torch.stack([m.sum(), xm.sum(), (xm * x).sum()])
     if process_group is not None:
         group = None if process_group == "world" else process_group
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     count, total, total_sq = stats
     mean = total / count.clamp_min(1.0)
     var = (total_sq - count * mean * mean) / (count - 1).clamp_min(1.0)
-    return (x - mean) * torch.rsqrt(var.clamp_min(0.0) + eps) * m
+    return torch.addcmul(xm, m, mean, value=-1.0).mul_(torch.rsqrt(var.clamp_min(0.0) + eps))
 
 
 def skip_observation_gae(
@@ -109,7 +132,7 @@ def skip_observation_gae(
     critic_lam: float = 1.0,
     whiten: bool = False,
     process_group=None,
-    block: int = 64,
+    block: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Skip-observation GAE (spec §3, Eq. 6-7) for the policy and λ-returns for the critic.
 
@@ -135,23 +158,21 @@ def skip_observation_gae(
         )
     with torch.no_grad():
         dtype = torch.promote_types(values.dtype, torch.float32)
-        order, lengths, M = _compact_model_tokens(response_mask)
-        idx = order[:, :M]
-        v = values.to(dtype).gather(1, idx)
-        r = token_level_rewards.to(dtype).gather(1, idx)
-        valid = torch.arange(M, device=values.device).unsqueeze(0) < lengths.unsqueeze(1)
-        v = v * valid
-        next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))  # 0 after the last model token
-        delta = (r + gamma * next_v - v) * valid
-
         bs = values.shape[0]
-        lam_t = torch.as_tensor(lam, dtype=dtype, device=values.device).expand(bs)
-        adv_c = discounted_reverse_cumsum(delta, gamma * lam_t, block=block)
-        ret_c = discounted_reverse_cumsum(delta, torch.full((bs,), gamma * critic_lam, dtype=dtype,
-                                                            device=values.device), block=block) + v
-
-        advantages = torch.zeros_like(values, dtype=dtype).scatter_(1, idx, adv_c * valid)
-        returns = torch.zeros_like(values, dtype=dtype).scatter_(1, idx, ret_c * valid)
+        target, M = _compact_index(response_mask)
+        # compacted width: the spare column M included, rounded up to whole blocks (no padding in the scan)
+        width = -(-(M + 1) // block) * block
+        # compact: model tokens to the left of each row; everything else lands in the spare column M
+        # (zeroed after), so δ = 0 and V = 0 from each row's end on, and V(after the last model token) = 0
+        v = values.new_zeros(bs, width + 1, dtype=dtype).scatter_(1, target, values.to(dtype))
+        r = values.new_zeros(bs, width, dtype=dtype).scatter_(1, target, token_level_rewards.to(dtype))
+        v[:, M] = 0.0
+        r[:, M] = 0.0
+        v_now = v[:, :width]
+        delta = torch.add(r, v[:, 1:], alpha=gamma).sub_(v_now)
+        lam_t = torch.as_tensor(lam, dtype=dtype, device=values.device).reshape(-1)
+        advantages = discounted_reverse_cumsum(delta, gamma * lam_t, block=block).gather(1, target)
+        returns = discounted_reverse_cumsum(delta, gamma * critic_lam, block=block).add_(v_now).gather(1, target)
         if whiten:
             advantages = masked_whiten(advantages, response_mask, process_group=process_group)
     return advantages, returns

@@ -74,6 +74,16 @@ def li2sao_advantage(
 # ----------------------------------------------------------------------------------------------------
 # critic targets and masks (spec §4)
 # ----------------------------------------------------------------------------------------------------
+def bootstrap_returns(scores: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """The bootstrap's λ = 1 return ``Ĝ_{i,t} = γ^{k_t} R_i`` on model tokens (spec §4, with §3's skip-observation
+    discount): ``k_t`` = the number of model tokens after position t (observation tokens are not discounted,
+    as in Eq. 6), the outcome reward R arriving at the last model token. ``γ = 1`` (the spec) gives ``R``
+    on every model token. Shapes: scores ``(bs,)``, mask and result ``(bs, T)``."""
+    mask = response_mask.to(torch.float32)
+    after = torch.flip(torch.cumsum(torch.flip(mask, dims=[1]), dim=1), dims=[1]) - mask
+    return scores.to(torch.float32).unsqueeze(-1) * torch.pow(torch.tensor(float(gamma)), after) * mask
+
+
 def residual_critic_targets(
     returns: torch.Tensor, scores: torch.Tensor, group_ids, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

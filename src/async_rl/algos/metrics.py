@@ -74,3 +74,33 @@ def pass_at_k(n, c, k: int) -> np.ndarray:
     log_ratio = (torch.lgamma(safe_fails + 1) - torch.lgamma(safe_fails - k + 1)
                  - torch.lgamma(n_t + 1) + torch.lgamma(n_t - k + 1))
     return torch.where(enough_fails, 1.0 - torch.exp(log_ratio), torch.ones_like(c_t)).numpy()
+
+
+def mismatch_sums(behaviour_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                  current_mask: torch.Tensor, dis_low: float, dis_high: float) -> dict[str, torch.Tensor]:
+    """Sums (to add over micro-batches and ranks) of the engine-vs-trainer gap (spec §1, §3).
+
+    Over tokens sampled at the trainer's current version (``current_mask``; the trainer's log-prob then has the
+    sampling weights, so any gap is numerics): ``kl`` = k3 estimate of KL(behaviour || trainer) with
+    r = exp(trainer - behaviour), k3 = (r - 1) - log r, ``abs`` = |trainer - behaviour|, ``n`` their count.
+    Over all response tokens: ``dis_masked`` = tokens whose ratio r lies outside the DIS band (low, high),
+    ``n_all`` their count. All float64 scalars.
+    """
+    m = response_mask.bool()
+    cur = m & current_mask.bool()
+    log_r = (trainer_log_probs.double() - behaviour_log_probs.double())
+    k3 = torch.expm1(log_r) - log_r
+    ratio = torch.exp(log_r)
+    outside = ~((ratio > dis_low) & (ratio < dis_high))
+    return {"kl": k3[cur].sum(), "abs": log_r.abs()[cur].sum(), "n": cur.sum().double(),
+            "dis_masked": outside[m].sum().double(), "n_all": m.sum().double()}
+
+
+def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """``rollout/mismatch_kl``, ``rollout/mismatch_abs_logprob_mean`` (0 when no token is at the current version),
+    ``rollout/mismatch_tokens`` and ``rollout/dis_band_masked_frac`` from :func:`mismatch_sums` totals."""
+    n, n_all = float(sums["n"]), float(sums["n_all"])
+    return {"rollout/mismatch_kl": float(sums["kl"]) / n if n else 0.0,
+            "rollout/mismatch_abs_logprob_mean": float(sums["abs"]) / n if n else 0.0,
+            "rollout/mismatch_tokens": n,
+            "rollout/dis_band_masked_frac": float(sums["dis_masked"]) / n_all if n_all else 0.0}

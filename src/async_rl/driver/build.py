@@ -81,7 +81,7 @@ def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Lea
         from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
 
         reserved = resolve_reserved_ids(tokenizer, list(algo.sapo_reserved_tokens))
-        actor = SapoRole(load_causal_lm(spec.model_path, device=spec.device), actor_optim, reserved_ids=reserved,
+        actor = SapoRole(load_causal_lm(spec.model_path, device=spec.device, **spec.training.model_kwargs()), actor_optim, reserved_ids=reserved,
                          tau_v=algo.sapo_tau_v, r_max=algo.sapo_r_max, temperature=spec.temperature,
                          micro_batch_size=spec.micro_batch_size, kl_coef=algo.sapo_kl_coef,
                          **spec.training.role_kwargs())
@@ -89,11 +89,11 @@ def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Lea
     elif spec.workers == "ray":
         actor, critic = _ray_trainers(algo, spec, actor_optim)
     else:
-        actor = ActorRole(load_causal_lm(spec.model_path, device=spec.device), actor_optim,
+        actor = ActorRole(load_causal_lm(spec.model_path, device=spec.device, **spec.training.model_kwargs()), actor_optim,
                           temperature=spec.temperature, micro_batch_size=spec.micro_batch_size,
                           **spec.training.role_kwargs())
     if spec.workers == "local" and algo.use_critic:
-        critic = CriticRole(load_causal_lm(spec.model_path, device=spec.device),
+        critic = CriticRole(load_causal_lm(spec.model_path, device=spec.device, **spec.training.model_kwargs()),
                             OptimizerConfig(lr=algo.critic_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0),
                             freeze_attention=algo.freeze_critic_attention, **spec.training.role_kwargs())
     if spec.workers == "ray":
@@ -123,7 +123,7 @@ def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerCo
     """Actor (and critic) as verl worker groups on Ray (the rollout replicas are started by _rollout_replicas).
 
     Returns driver-side adapters with the same methods as :class:`ActorRole` / :class:`CriticRole`; for
-    ``algorithm=sapo`` a :class:`~async_rl.workers.verl_workers.RemoteSapo` (the methods of
+    ``algorithm=sapo`` a :class:`~async_rl.workers.remote.RemoteSapo` (the methods of
     :class:`~async_rl.workers.sapo.SapoRole`) over SapoWorker ranks, and no critic (V and Q are read from the
     policy's own backbone, spec §5).
     """
@@ -170,6 +170,12 @@ def _replica_cpus(spec: RunSpec) -> int:
     return math.ceil(float(spec.rollout.cpus_per_replica) * int(spec.rollout.replicas))
 
 
+def _tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def _rollout_replicas(spec: RunSpec, actor):
     """``spec.rollout.replicas`` replicas of ``spec.rollout.engine`` (verl's registry) behind a ReplicaPool, given the
     actor's current weights as version 0. The pool is shut down with the actor's worker groups."""
@@ -184,20 +190,22 @@ def _rollout_replicas(spec: RunSpec, actor):
     settings.validate()
     groups = getattr(actor, "worker_groups", None)
     hybrid = settings.mode == "hybrid"
-    replicas = launch_replicas(settings.engine, int(settings.replicas), spec.model_path, device=spec.device,
+    replicas = launch_replicas(settings.engine, int(settings.replicas), spec.model_path,
+                               device=settings.device or spec.device,
                                torch_threads=torch.get_num_threads() if spec.device == "cpu" else None,
                                chunk_tokens=int(settings.chunk_tokens), num_cpus=float(settings.cpus_per_replica),
                                mode=settings.mode, worker_group=groups.process_groups[0] if hybrid else None,
-                               checkpoint_backend=settings.checkpoint_backend)
+                               checkpoint_backend=settings.checkpoint_backend,
+                               kv_on_update=settings.vllm_kv_on_update, engine_options=settings.vllm_engine_options())
     pool = ReplicaPool(replicas, settings.engine, on_replica_failure=settings.on_replica_failure,
                        health_timeout_s=float(settings.health_timeout_s),
-                       vocab_size=getattr(model_config, "vocab_size", None))
+                       vocab_size=getattr(model_config, "vocab_size", None), tokenizer=_tokenizer(spec.model_path))
     if groups is not None:
         groups.rollout_pool = pool  # WorkerGroups.shutdown() stops the replicas too
     if settings.weight_sync == "checkpoint_manager":  # verl's CheckpointEngineManager moves every publication
         attach_checkpoint_manager(pool, groups.actor, backend=settings.checkpoint_backend)
     pool.max_positions = getattr(model_config, "max_position_embeddings", None)
-    if settings.engine == "hf" or pool.checkpoint_manager is not None:
+    if settings.engine in ("hf", "vllm") or pool.checkpoint_manager is not None:
         # the replicas start from the actor's weights (vLLM/SGLang through the pool load the same checkpoint)
         pool.update_weights(weights_for_engine(actor, pool, 0), 0)
     where = "inside the train ranks" if hybrid else "in their own processes"

@@ -18,8 +18,8 @@ live episodes whose oldest recorded token already lags by more than ``k`` are ab
 (plus, with replicas, those lost to aborts and replica failures).
 
 The engine is the in-driver ``HFRolloutEngine`` (``trainer.workers=local``) or the rollout replicas
-(``trainer.workers=ray``: :class:`async_rl.rollout.client.ReplicaPool`, the same interface); nothing below
-depends on which.
+(``trainer.workers=ray``: :class:`async_rl.rollout.client.ReplicaPool`, the same interface); the loop calls
+both through that interface, and reads the engine's own metrics only where it has some (replica counters).
 
 Failure handling: an exception in the rollout thread is re-raised in the trainer with its traceback; the
 trainer never waits without a timeout, so a dead rollout cannot deadlock the driver.
@@ -96,7 +96,10 @@ class ConcurrentDriver:
                 started = time.perf_counter()
                 with self._lock:
                     finished: list[Trajectory] = []
-                    if self.switch_state != "draining":
+                    # Li2SAO switch: nothing launches while the kept job drains, nor once it has ("drained")
+                    # until the trainer has published the held version and moved on to "done"; the state
+                    # is read under _lock, so this is an ordering, not a race for the lock
+                    if self.switch_state not in ("draining", "drained"):
                         with self._ready:
                             while (self.rollout.inflight_trajectories + self.rollout.group_size <= self.max_inflight
                                    # trajectories a launch already finished (e.g. an env that failed

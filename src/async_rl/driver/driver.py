@@ -236,14 +236,18 @@ class DeterministicDriver:
             progressed = True  # the update is running; simulated time advances toward its publication
         # rollout side -------------------------------------------------------------------------------
         sync_blocked = self.cfg.synchronous and (self.publish is not None or self.buffer.num_ready >= self.batch_size)
-        if self.cfg.synchronous and not sync_blocked and not self.rollout.busy and \
+        # Li2SAO switch: no launch from the moment the gate opens until the version held during the drain is
+        # published (the trainer leaves "drained" only once that publication is done, in _next_batch), so the
+        # first single-rollout request always runs the post-switch policy
+        launch_held = self.switch_state in ("draining", "drained")
+        if self.cfg.synchronous and not sync_blocked and not launch_held and not self.rollout.busy and \
                 self.rollout.inflight_trajectories == 0 and len(self.buffer) == 0:
             # one batch worth of prompts, all under the current weights (no overlap with training)
             while self.rollout.inflight_trajectories + self.rollout.group_size <= self.batch_size:
                 for traj in self.rollout.launch_prompt():
                     self._finished(traj)
             progressed = True
-        if not self.cfg.synchronous and self.switch_state != "draining":
+        if not self.cfg.synchronous and not launch_held:
             while (self.rollout.inflight_trajectories + self.rollout.group_size <= self.max_inflight
                    and self.buffer.has_room(self.rollout.inflight_trajectories + self.rollout.group_size)):
                 for traj in self.rollout.launch_prompt():

@@ -25,6 +25,8 @@ the tokens seen in training are exactly those the policy saw while sampling.
 
 from __future__ import annotations
 
+import math
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -35,12 +37,30 @@ from async_rl.envs.base import (CallOutcome, Env, EnvCallPool, ResetOutcome, Ste
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 
 
+def forced_turn_tokens(spec: dict[str, Any], uid: str) -> int:
+    """Length of an episode's forced first turn (task key ``forced_first_turn``): lognormal with the given
+    ``median`` and ``sigma`` (of log length), clipped to ``[min, max]``, drawn from a generator seeded by
+    ``(seed, uid)``, so every episode -- each member of a group too -- draws its own, reproducibly.
+
+    ``sigma = 1`` puts the 99th percentile at ``exp(2.326) = 10.2x`` the median (the papers' long tail)."""
+    try:
+        median, sigma = float(spec["median"]), float(spec.get("sigma", 1.0))
+        low, high = int(spec.get("min", 1)), int(spec["max"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"task key forced_first_turn={spec!r}: needs median > 0, max >= min >= 1 (and optional "
+                         f"sigma, min, seed): {exc}") from None
+    if median <= 0 or sigma < 0 or not 1 <= low <= high:
+        raise ValueError(f"task key forced_first_turn={spec!r}: needs median > 0, sigma >= 0, 1 <= min <= max")
+    rng = random.Random(f"{spec.get('seed', 0)}:{uid}")
+    return int(min(high, max(low, round(rng.lognormvariate(math.log(median), sigma)))))
+
+
 @dataclass
 class EpisodeLimits:
     max_turns: int = 4  # env turns per episode (the env's own max_turns also applies)
     max_response_tokens: int = 256  # model + observation tokens after the prompt
     env_timeout_s: float = 30.0  # any env call (construct, reset, step, close) slower than this aborts the episode
-    overlong_penalty: bool = False  # DAPO soft penalty for responses in the last quarter of the budget (spec §2)
+    overlong_penalty: bool = False  # DAPO soft penalty on responses entering the final quarter of their window (spec §2)
     max_context_tokens: Optional[int] = None  # the model's context (prompt + response); a full one truncates
 
     def __post_init__(self) -> None:
@@ -158,6 +178,11 @@ class Episode:
         self.actions: list[str] = []  # action texts sent to the env, to replay it on resume
         self.trajectory = Trajectory(uid=uid, group_id=group_id, prompt_index=prompt_index, prompt_ids=[],
                                      group_size=group_size, info={"task_id": task.get("id")})
+        # a task may force the first turn's length (a long-tailed workload, benchmarks/group_vs_single.py)
+        self.forced_first_turn: Optional[int] = None
+        if task.get("forced_first_turn") is not None:
+            self.forced_first_turn = forced_turn_tokens(task["forced_first_turn"], uid)
+            self.trajectory.info["forced_first_turn_tokens"] = self.forced_first_turn
 
     @property
     def needs_close(self) -> bool:
@@ -199,6 +224,10 @@ class Episode:
             self._finish(reward=0.0, truncated=True)
             return None
         sampling = self.sampling
+        if self.forced_first_turn is not None and t.num_turns == 0:
+            # exactly this many tokens: no eos, no stop string ends the turn early
+            sampling = SamplingParams(**{**vars(sampling), "max_new_tokens": self.forced_first_turn,
+                                         "ignore_eos": True, "stop_strings": (), "stop_token_ids": ()})
         if sampling.max_new_tokens > budget:
             sampling = SamplingParams(**{**vars(sampling), "max_new_tokens": budget})
         self._awaiting_output = True
@@ -296,8 +325,15 @@ class Episode:
         if self.limits.overlong_penalty:
             from async_rl.rewards.math_reward import overlong_penalty
 
-            # length counts model tokens: observations are not the policy's verbosity
-            reward += overlong_penalty(self.trajectory.num_model_tokens, self.limits.max_response_tokens)
+            # spec §2: "responses entering the final quarter of the context window". The window is the part of
+            # the context the response may fill: max_response_tokens, capped by what the model's context leaves
+            # after the prompt; every token in it counts, model and observation (a tool output spends it too).
+            # The prompt is left out: with it, a prompt longer than 3x the budget would penalise every response
+            t = self.trajectory
+            window = self.limits.max_response_tokens
+            if self.limits.max_context_tokens is not None:
+                window = max(1, min(window, self.limits.max_context_tokens - len(t.prompt_ids)))
+            reward += overlong_penalty(len(t.response_ids), window)
         self.trajectory.reward = float(reward)
         self.trajectory.truncated = truncated
         self._end()

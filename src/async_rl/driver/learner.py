@@ -12,6 +12,7 @@ import torch
 
 from async_rl.algos import (
     ReadinessGate,
+    bootstrap_returns,
     broadcast_to_tokens,
     divergence_mask,
     explained_variance,
@@ -25,6 +26,7 @@ from async_rl.algos import (
     values_at_last_model_token,
 )
 from async_rl.config import AlgorithmConfig
+from async_rl.driver.kl_guard import KLGuard
 from async_rl.driver.trajectory import Trajectory, collate
 from async_rl.workers.roles import ActorRole, CriticRole
 
@@ -44,6 +46,7 @@ class Learner:
         self.step = 0  # batches consumed
         self.phase = "bootstrap" if cfg.name == "li2sao" else "main"
         self.gate = ReadinessGate(**vars(cfg.gate)) if cfg.name == "li2sao" else None
+        self.kl_guard = KLGuard(cfg.kl_warn_threshold, kept_threshold=cfg.kl_warn_kept_threshold)
         # checkpoints: None = sharded model state exactly for worker-group trainers (see model_state_sharded)
         self.shard_model_state: Optional[bool] = None
 
@@ -73,7 +76,7 @@ class Learner:
             advantages = broadcast_to_tokens(grpo_group_advantage(scores, group_ids, cfg.grpo_epsilon), mask)
         elif cfg.name == "li2sao" and grouped:  # bootstrap (spec §4)
             advantages = broadcast_to_tokens(grpo_group_advantage(scores, group_ids, cfg.grpo_epsilon), mask)
-            returns = broadcast_to_tokens(scores, mask)  # γ = λ = 1, terminal reward: Ĝ_t = R
+            returns = bootstrap_returns(scores, mask, cfg.gamma)  # λ = 1, terminal reward: Ĝ_t = γ^k R
             critic_targets, keep = residual_critic_targets(returns, scores, group_ids, mask)
             critic_mask = divergence_mask(batch["responses"], mask, scores, group_ids,
                                           batch["response_attention"]) * keep.unsqueeze(1)
@@ -104,12 +107,14 @@ class Learner:
         frozen = self.step < cfg.critic_warmup_steps
         if not frozen:
             loss_mode = self._policy_loss()
+            batch["current_version_mask"] = batch["token_versions"] == self.policy_version  # mismatch metrics
             metrics.update(self.actor.update(batch, advantages, loss_mode, cfg.clip.clip_ratio_low,
                                              cfg.clip.clip_ratio_high, cfg.dis.low, cfg.dis.high,
                                              loss_agg_mode=cfg.loss_agg_mode))
             self.policy_version += 1
         metrics["actor/updated"] = float(not frozen)
         self.step += 1
+        metrics.update(self.kl_guard.check(self.step, metrics))
 
         # ---------------- Li2SAO gate (decided on this step's statistics; the driver switches) ----------
         if self.gate is not None and self.phase == "bootstrap" and grouped:
@@ -132,6 +137,7 @@ class Learner:
         self.policy_version += 1
         self.step += 1
         metrics["actor/updated"] = 1.0
+        metrics.update(self.kl_guard.check(self.step, metrics))
         metrics["trainer/step"] = float(self.step)
         metrics["trainer/policy_version"] = float(self.policy_version)
         return metrics
@@ -149,7 +155,7 @@ class Learner:
     def _readiness(self, old_values, scores, group_ids, mask) -> dict[str, float]:
         """The gate's inputs e_k, a_k (Eq. 12-13) on this step's mixed groups, read from the frozen V_old."""
         stats = readiness_statistics(values_at_last_model_token(old_values, mask), scores, group_ids)
-        # a data-parallel driver all-reduces `stats` here (SUM) before computing the ratios
+        # sums over the step's whole batch (the learner holds every trajectory, whichever workers trained on it)
         e_k, a_k = readiness_from_statistics(stats)
         out = {"li2sao/mixed_groups_trajectories": float(stats[0]), "li2sao/rank_pairs": float(stats[5])}
         if e_k is not None:

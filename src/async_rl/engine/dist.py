@@ -179,6 +179,15 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather_objects(obj) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` (picklable objects); ``[obj]`` without a group."""
+    if not (is_distributed() and get_world_size() > 1):
+        return [obj]
+    out: list = [None] * get_world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
 def find_free_port() -> int:
     """Return a TCP port that is free on 127.0.0.1 right now (for single-node launches)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -14,6 +14,11 @@ Both are deterministic functions of the task record, give a binary terminal rewa
     The 4th step always ends the episode (reward 0 unless it is the correct ``open``). Optimal play is
     ``look`` then ``open <key>`` (100 % success); opening a random digit right away succeeds 10 %.
 
+    Long-tailed variant (``make_toy_tasks(..., long_tail=...)``): the task carries ``forced_first_turn``,
+    the episode's first turn is a thinking turn of a forced, lognormally drawn length
+    (:func:`async_rl.driver.episode.forced_turn_tokens`), and the env answers it with
+    ``"Now act."`` (reward 0, not a turn of the 4).
+
 ``toy_echo`` (single turn)
     Task record: ``{"id", "env": "toy_echo", "code": 0..9, "prompt"}`` with the prompt
     ``"Repeat the code 7 inside \\boxed{}."``. Reward 1.0 iff the content of the *last* ``\\boxed{...}``
@@ -45,6 +50,7 @@ from async_rl.envs.base import Env, StepResult, register_env
 
 __all__ = [
     "TOY_ENV_NAMES",
+    "LONG_TAIL_DEFAULT",
     "TOY_KEYS_PROMPT",
     "ToyEchoEnv",
     "ToyKeysEnv",
@@ -62,6 +68,9 @@ TOY_ENV_NAMES: tuple[str, str] = ("toy_keys", "toy_echo")
 TOY_KEYS_PROMPT = "Find the key and open the door. Actions: look, open <digit>."
 KEYS_INVALID_OBSERVATION = "Invalid action."
 KEYS_MAX_TURNS = 4
+KEYS_THINK_OBSERVATION = "Now act."
+# the long-tailed variant's forced thinking turn: median 24 tokens, p99 = 10.2x the median (sigma 1)
+LONG_TAIL_DEFAULT = {"median": 24, "sigma": 1.0, "min": 4, "max": 480}
 
 # Chat markers of the Qwen-style template used by the tiny model (and Qwen2.5 itself).
 _IM_START = "<|im_start|>"
@@ -148,11 +157,14 @@ class ToyKeysEnv(Env):
         self._key: int | None = None
         self._turn = 0
         self._done = True
+        self._thinking = False
 
     def reset(self, task: dict[str, Any]) -> str:
         self._key = _task_digit(task, "key", "toy_keys")
         self._turn = 0
         self._done = False
+        self._thinking = task.get("forced_first_turn") is not None  # the first turn only thinks
+        self.max_turns = KEYS_MAX_TURNS + int(self._thinking)
         return task.get("prompt") or TOY_KEYS_PROMPT
 
     def step(self, action_text: str) -> StepResult:
@@ -160,6 +172,10 @@ class ToyKeysEnv(Env):
             raise RuntimeError("ToyKeysEnv.step called before reset")
         if self._done:
             raise RuntimeError("ToyKeysEnv episode is over; call reset for the next task")
+        if self._thinking:
+            self._thinking = False
+            return StepResult(observation=KEYS_THINK_OBSERVATION, reward=0.0, done=False,
+                              info={"invalid_action": False, "success": False, "turn": 0, "thinking_turn": True})
         self._turn += 1
         last_turn = self._turn >= self.max_turns
         action = parse_keys_action(action_text)
@@ -226,21 +242,28 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown toy env {name!r}; valid names: {', '.join(TOY_ENV_NAMES)}")
 
 
-def make_toy_tasks(name: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
+def make_toy_tasks(name: str, n: int, seed: int = 0, long_tail: dict[str, Any] | None = None
+                   ) -> list[dict[str, Any]]:
     """``n`` task records for toy env ``name``; the same ``(name, n, seed)`` always gives the same list.
 
     Ids are ``f"{name}-s{seed}-{i}"`` (unique within a list and across seeds); the digits are drawn
     uniformly from 0-9 by a generator seeded with ``(name, seed)``, so a longer list extends a shorter one.
+    ``long_tail`` (``toy_keys`` only): the ``forced_first_turn`` spec every task carries (keys ``median``,
+    ``sigma``, ``min``, ``max``; :data:`LONG_TAIL_DEFAULT`), a forced thinking turn of long-tailed length.
     """
     _check_name(name)
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if long_tail is not None and name != "toy_keys":
+        raise ValueError(f"long_tail is a toy_keys option (a thinking turn before acting), not {name!r}'s")
     rng = random.Random(f"{name}:{seed}")
     tasks: list[dict[str, Any]] = []
     for i in range(n):
         digit = rng.randrange(10)
         if name == "toy_keys":
             task = {"id": f"{name}-s{seed}-{i}", "env": name, "key": digit, "prompt": TOY_KEYS_PROMPT}
+            if long_tail is not None:
+                task["forced_first_turn"] = {**long_tail, "seed": seed}
         else:
             task = {"id": f"{name}-s{seed}-{i}", "env": name, "code": digit, "prompt": echo_prompt(digit)}
         tasks.append(task)

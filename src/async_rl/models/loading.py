@@ -21,6 +21,34 @@ _MAKE_TINY_HINT = (
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
+# ``model.attn_implementation``: the attention kernels of the trained models (transformers' names). sdpa is
+# PyTorch's own (CPU and GPU, any dtype); flash_attention_2 needs the optional flash-attn package, a CUDA GPU
+# and half-precision compute; eager is the reference implementation (slow, for debugging).
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+FLASH_ATTN_INSTALL = ("pip install flash-attn --no-build-isolation (a wheel must match your CUDA and torch; "
+                      "see docs/engine.md)")
+
+
+def check_attn_implementation(name: str, device: str = "cpu", precision: str = "fp32") -> str:
+    """Return ``name`` if the trained models can use it here; otherwise raise a one-line ``ValueError``
+    naming the fix (the install line for flash-attn, or the setting to change)."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"model.attn_implementation={name!r}; valid choices: {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if name != "flash_attention_2":
+        return name
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                         f"installed: {FLASH_ATTN_INSTALL}; or use model.attn_implementation=sdpa")
+    if not str(device).startswith("cuda"):
+        raise ValueError(f"model.attn_implementation=flash_attention_2 runs on CUDA GPUs only (device {device}); "
+                         "use model.attn_implementation=sdpa")
+    if precision != "bf16":
+        raise ValueError(f"model.attn_implementation=flash_attention_2 needs half-precision compute "
+                         f"(trainer.precision={precision}); set trainer.precision=bf16 or use sdpa")
+    return name
+
 
 class ModelPathError(FileNotFoundError):
     """The model directory does not exist or lacks the files needed to load it."""
@@ -82,6 +110,7 @@ def load_causal_lm(
     path: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
     **kwargs,
 ):
     """Load a causal LM from the local directory ``path`` in eval mode (no network).
@@ -91,8 +120,9 @@ def load_causal_lm(
         dtype: ``None``/``"auto"`` keeps the checkpoint's dtype; otherwise a torch dtype or
             its name (``"bfloat16"``, ``"float32"``, ...).
         device: where to put the weights (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
-        **kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g.
-            ``attn_implementation="flash_attention_2"``).
+        attn_implementation: one of :data:`ATTN_IMPLEMENTATIONS` (``model.attn_implementation``); ``None``
+            leaves transformers' choice (sdpa where it is available).
+        **kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
 
     Returns:
         The ``PreTrainedModel`` (e.g. ``Qwen2ForCausalLM``) on ``device``, ``.eval()``-ed.
@@ -100,6 +130,11 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     model_dir = _check_model_dir(path, need="config")
+    if attn_implementation is not None:
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation={attn_implementation!r}; valid choices: "
+                             f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+        kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=_resolve_dtype(dtype), local_files_only=True, **kwargs
     )

@@ -45,7 +45,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.checkpoint_engine import check_published_handle, in_process_handle, published_handle
-from async_rl.rollout.replica import ReplicaBrokenError, sampling_to_server_dict, token_output_to_generation
+from async_rl.rollout.replica import (OWN_SERVER_ENGINES, ReplicaBrokenError, sampling_to_server_dict,
+                                      token_output_to_generation)
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class ReplicaPool:
         health_timeout_s: a replica that leaves a ping, a pause or a resume unanswered this long is hung.
         call_timeout_s: deadline of loading one weight version on every replica.
         on_replica_failure: "continue" (go on with the others) | "stop" (raise :class:`ReplicaFailure`).
-        vocab_size: needed only to turn banned ids into vLLM/SGLang allow-lists.
+        vocab_size: needed only to turn banned ids into SGLang allow-lists.
+        tokenizer: decodes verl's plain ``TokenOutput`` replies (SGLang); our hf/vllm servers send their text.
         checkpoint_manager: verl's ``CheckpointEngineManager`` over the actor worker group and these replicas
             (``rollout.weight_sync=checkpoint_manager``): each update is then verl's own protocol (abort, release
             the KV cache, build the engine's topology, actor ranks send / replicas receive, finalize, resume),
@@ -108,7 +110,8 @@ class ReplicaPool:
     def __init__(self, replicas: Sequence[Any], engine: str = "hf", *, initial_version: int = 0,
                  poll_s: float = 0.02, health_check_s: float = 2.0, health_timeout_s: float = 30.0,
                  call_timeout_s: float = 600.0, on_replica_failure: str = "continue",
-                 vocab_size: Optional[int] = None, checkpoint_manager: Optional[Any] = None) -> None:
+                 vocab_size: Optional[int] = None, checkpoint_manager: Optional[Any] = None,
+                 tokenizer: Optional[Any] = None) -> None:
         if not replicas:
             raise ValueError("ReplicaPool needs at least one launched replica (rollout.replicas >= 1)")
         if on_replica_failure not in FAILURE_POLICIES:
@@ -124,6 +127,7 @@ class ReplicaPool:
         self.call_timeout_s = call_timeout_s
         self.on_replica_failure = on_replica_failure
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer  # decodes the text of verl's plain TokenOutput replies (SGLang)
         self._version = int(initial_version)
         self._lock = threading.RLock()
         self._live: dict[Hashable, _Live] = {}
@@ -258,7 +262,7 @@ class ReplicaPool:
         if not self.weights_in_process:
             check_published_handle(published, version)
         started = time.perf_counter()
-        if self.engine_name == "hf":
+        if self.engine_name in OWN_SERVER_ENGINES:
             # a pause or a resume takes at most one decode chunk: a replica slower than a ping is hung
             paused = self._on_every_replica("abort_all_requests", (), "pause", timeout_s=self.health_timeout_s)
             try:
@@ -331,7 +335,7 @@ class ReplicaPool:
         """A health probe: the hf servers' ``ping`` (with the decode loop's stall time); verl's vLLM/SGLang servers
         have no ping, so any actor call answers for their liveness."""
         server = self._server(index)
-        if self.engine_name == "hf":
+        if self.engine_name in OWN_SERVER_ENGINES:
             return server.ping.remote()
         return server.__ray_call__.remote(lambda actor: {"pid": __import__("os").getpid(), "stalled_s": 0.0})
 
@@ -340,7 +344,7 @@ class ReplicaPool:
         for index in range(len(self.replicas)):
             server = self._server(index)
             try:  # the hf servers say where their engine runs (a train rank's process in hybrid mode)
-                ref = server.get_pid.remote() if self.engine_name == "hf" else \
+                ref = server.get_pid.remote() if self.engine_name in OWN_SERVER_ENGINES else \
                     server.__ray_call__.remote(lambda actor: __import__("os").getpid())
                 pids.append(int(ray.get(ref, timeout=self.health_timeout_s)))
             except Exception:  # a replica that does not answer is caught by the health check
@@ -371,7 +375,8 @@ class ReplicaPool:
             f"{request.request_id}#{live.submissions}"
         live.ref = self._server(live.replica).generate.remote(
             prompt_ids=list(request.prompt_ids) + live.token_ids,
-            sampling_params=sampling_to_server_dict(sampling, self.engine_name, self.vocab_size),
+            sampling_params=sampling_to_server_dict(
+                sampling, "hf" if self.engine_name in OWN_SERVER_ENGINES else self.engine_name, self.vocab_size),
             request_id=live.server_request_id)
         self._by_ref[live.ref] = live
 
@@ -402,7 +407,7 @@ class ReplicaPool:
         with self._lock:
             if self._by_ref.get(ref) is not live:
                 return []  # aborted or failed while we were reading
-            piece = token_output_to_generation(live.request, reply, self._version)
+            piece = token_output_to_generation(live.request, reply, self._version, self.tokenizer)
             live.token_ids += piece.token_ids
             live.logprobs += piece.logprobs
             live.versions += piece.versions
@@ -600,6 +605,18 @@ class ReplicaSettings:
     health_timeout_s: float = 30.0  # a replica that leaves a ping unanswered this long is declared hung
     weight_sync: str = "pool"  # pool: the pool's own pause/load/resume | checkpoint_manager: verl's manager
     checkpoint_backend: str = "ray_object_store"  # verl checkpoint engine moving the weights (nccl on GPU)
+    vllm_kv_on_update: str = "recompute"  # vllm: a kept prefix's KV after an update: recompute (AReaL) | stale
+    vllm_kv_cache_memory_bytes: int = 256 << 20  # vllm on CPU: bytes of host memory for the KV cache
+    vllm_gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache
+    vllm_max_model_len: Optional[int] = None  # vllm: context length (None = the model's)
+    vllm_max_num_seqs: int = 64  # vllm: requests decoded together
+    device: Optional[str] = None  # where standalone replicas run: cpu | cuda (None = trainer.device)
+
+    def vllm_engine_options(self) -> dict[str, Any]:
+        """The ``engine_kwargs`` keywords of :mod:`async_rl.rollout.vllm_engine` from these settings."""
+        return {"kv_cache_memory_bytes": int(self.vllm_kv_cache_memory_bytes),
+                "gpu_memory_utilization": float(self.vllm_gpu_memory_utilization),
+                "max_model_len": self.vllm_max_model_len, "max_num_seqs": int(self.vllm_max_num_seqs)}
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> "ReplicaSettings":
@@ -657,6 +674,20 @@ class ReplicaSettings:
             raise ValueError(f"rollout.checkpoint_backend={self.checkpoint_backend}: the pool's own update moves "
                              f"weights through the Ray object store; set rollout.weight_sync=checkpoint_manager to "
                              f"use verl's {self.checkpoint_backend} engine")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"rollout.device={self.device!r}; valid choices: cpu, cuda, null (= trainer.device)")
+        if self.engine == "vllm":  # fail before any model or worker starts
+            from async_rl.rollout.vllm_engine import require_vllm
+
+            require_vllm()
+        if self.vllm_kv_on_update not in ("recompute", "stale"):
+            raise ValueError(f"rollout.vllm_kv_on_update={self.vllm_kv_on_update!r}; valid choices: recompute, stale")
+        if int(self.vllm_kv_cache_memory_bytes) <= 0 or not 0 < float(self.vllm_gpu_memory_utilization) <= 1:
+            raise ValueError("rollout.vllm_kv_cache_memory_bytes must be > 0 and rollout.vllm_gpu_memory_utilization "
+                             "in (0, 1]")
+        if self.engine == "vllm" and self.weight_sync != "pool":
+            raise ValueError("rollout.engine=vllm loads weights through the pool (rollout.weight_sync=pool); verl's "
+                             "checkpoint manager drives verl's own vLLM servers, which async_rl does not use")
         if self.mode == "hybrid" and self.weight_sync != "pool":
             raise ValueError("rollout.mode=hybrid copies the weights in memory inside each train rank; "
                              "rollout.weight_sync=checkpoint_manager has nothing to move there (use pool)")
@@ -692,7 +723,8 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
                     num_cpus: float = 1.0, max_model_len: Optional[int] = None,
                     name_prefix: str = "async_rl", mode: str = "standalone",
                     worker_group: Optional[Any] = None, checkpoint_backend: str = "ray_object_store",
-                    checkpoint_bucket_megabytes: int = 2048) -> list[Any]:
+                    checkpoint_bucket_megabytes: int = 2048, kv_on_update: str = "recompute",
+                    engine_options: Optional[dict] = None) -> list[Any]:
     """Build ``num_replicas`` replicas of ``engine`` through verl's registry and start them.
 
     ``mode="standalone"``: each replica in its own process(es) (``init_standalone``). ``mode="hybrid"`` (hf only):
@@ -702,7 +734,7 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
     """
     from verl.workers.config import HFModelConfig, RolloutConfig
 
-    from async_rl.rollout.replica import HFReplica, replica_class
+    from async_rl.rollout.replicas import HFReplica, replica_class
 
     if num_replicas < 1:
         raise ValueError(f"rollout.replicas must be >= 1, got {num_replicas}")
@@ -743,7 +775,13 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
         replicas = [cls(rank, config, model_config, device=device, dtype=dtype, torch_threads=torch_threads,
                         chunk_tokens=chunk_tokens, num_cpus=num_cpus, name_prefix=name_prefix)
                     for rank in range(num_replicas)]
-    else:  # verl's own vLLMReplica / SGLangReplica, unchanged
+    elif engine == "vllm":  # our AsyncLLM server (async_rl.rollout.vllm_engine)
+        replicas = [cls(rank, config, model_config, device=device, num_cpus=num_cpus, kv_on_update=kv_on_update,
+                        engine_options={**(engine_options or {}), "dtype": dtype,
+                                        "max_model_len": (engine_options or {}).get("max_model_len") or max_model_len},
+                        name_prefix=name_prefix)
+                    for rank in range(num_replicas)]
+    else:  # verl's own SGLangReplica, unchanged
         replicas = [cls(rank, config, model_config, gpus_per_node=1) for rank in range(num_replicas)]
 
     async def start_all() -> None:

@@ -6,7 +6,7 @@ sleeping (KV cache freed) while the trainer updates and waking with the new weig
 nothing is sent between processes. For vLLM, verl splits this in two: a server actor holds the request queue and
 the engine's workers live in the training processes. We keep the same split for the transformers engine:
 
-* the **engine** is the :class:`~async_rl.workers.verl_workers.RolloutWorker` role fused with the actor (and
+* the **engine** is the :class:`~async_rl.workers.rollout_worker.RolloutWorker` role fused with the actor (and
   critic) in each train rank's process (``placement="colocated"``), holding its own copy of the policy weights
   (as vLLM does in verl's hybrid engine) that it refreshes from the actor in memory -- with several train
   ranks through an in-process all-gather of the FSDP shards. Its ``hybrid_*`` methods admit requests, decode

@@ -12,7 +12,7 @@ What we subclass and why (verl's classes are used as they are wherever they fit)
 * :class:`VersionedTokenOutput` (a ``TokenOutput``): verl records the weight version of a response only as
   ``extra_fields["global_steps"]`` (one number per call). Our per-token off-policy correction (spec §1)
   needs the version of *every* token, and the engine's own finish reason (stop / length / aborted).
-* :class:`HFReplica` (a ``RolloutReplica``): verl's ``init_standalone`` builds a GPU resource pool and a
+* ``HFReplica`` (a ``RolloutReplica``, in :mod:`async_rl.rollout.replicas`, which imports this module): verl's ``init_standalone`` builds a GPU resource pool and a
   ``CheckpointEngineWorker`` process that forwards weights to the inference engine over CUDA IPC. The
   transformers engine loads weights in its own process, on CPU or CUDA, so the replica launches one
   :class:`HFRolloutServer` actor with the CPUs/GPU it needs and nothing else.
@@ -37,14 +37,15 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
-import ray
 import torch
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
+from verl.workers.rollout.replica import TokenOutput
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.checkpoint_engine import BACKEND_NAME, ObjectStoreCheckpointEngine
 
 ENGINE_NAMES = ("hf", "vllm", "sglang")
+# engines served by our own server classes (hf_engine / vllm_engine): pause keeps requests, per-token versions
+OWN_SERVER_ENGINES = ("hf", "vllm")
 
 # Sampling keys a server accepts (vLLM names where they exist) and what they become in SamplingParams.
 _SAMPLING_KEYS = {
@@ -124,24 +125,63 @@ def sampling_to_server_dict(sampling: SamplingParams, engine: str, vocab_size: O
     return params
 
 
-def token_output_to_generation(request: GenerationRequest, out: TokenOutput, version_fallback: int) -> GenerationOutput:
-    """A server's reply -> :class:`GenerationOutput` (per-token versions from a VersionedTokenOutput, else
-    the call's ``global_steps`` for every token: vLLM/SGLang switch weights only between calls)."""
+def first_stop_string(tokens: list[int], tokenizer: Any, stop_strings) -> Optional[tuple[int, str]]:
+    """``(n, stop)``: the first ``n`` tokens are the shortest prefix whose decoded text contains a stop string
+    (the token that completes it is kept, as in the hf engine); None if the text holds none."""
+    if not stop_strings or not tokens:
+        return None
+    if not any(stop in tokenizer.decode(tokens, skip_special_tokens=True) for stop in stop_strings):
+        return None
+    for cut in range(1, len(tokens) + 1):
+        head = tokenizer.decode(tokens[:cut], skip_special_tokens=True)
+        hit = next((stop for stop in stop_strings if stop in head), None)
+        if hit is not None:
+            return cut, hit
+    return None
+
+
+def token_output_to_generation(request: GenerationRequest, out: TokenOutput, version_fallback: int,
+                               tokenizer: Any = None) -> GenerationOutput:
+    """A server's reply -> :class:`GenerationOutput`.
+
+    Our servers (hf, vllm) reply with a :class:`VersionedTokenOutput`: per-token versions, text, finish reason.
+    verl's own ``TokenOutput`` (its SGLang/vLLM servers) has none of these: every token gets the call's
+    ``global_steps``; the text is decoded here with ``tokenizer``; a stop string found in it is honoured (tokens
+    after the one that completes it are dropped, finish "stop"); else "aborted" stays aborted, a reply that used
+    the whole ``max_new_tokens`` budget is "length", anything else "stop" (an eos or stop token)."""
     tokens = list(out.token_ids)
-    versions = list(getattr(out, "versions", []) or [])
-    if len(versions) != len(tokens):
-        version = out.extra_fields.get("global_steps", version_fallback)
-        versions = [int(version_fallback if version is None else version)] * len(tokens)
     logprobs = list(out.log_probs or [])
     if len(logprobs) != len(tokens):
         raise ValueError(f"request {request.request_id!r}: the server returned {len(tokens)} tokens but "
                          f"{len(logprobs)} log-probs; ask for them with sampling_params['logprobs']=True")
-    finish = getattr(out, "finish_reason", None)
-    if finish not in ("stop", "length", "aborted"):
-        finish = "aborted" if out.stop_reason in ("aborted", "abort") else "stop"
+    versions = list(getattr(out, "versions", []) or [])
+    if isinstance(out, VersionedTokenOutput) and len(versions) == len(tokens):
+        return GenerationOutput(request_id=request.request_id, prompt_ids=list(request.prompt_ids), token_ids=tokens,
+                                logprobs=logprobs, versions=versions, finish_reason=out.finish_reason,
+                                text=out.text, stop_reason=out.stop_detail)
+    version = (out.extra_fields or {}).get("global_steps", version_fallback)
+    versions = [int(version_fallback if version is None else version)] * len(tokens)
+    sampling = request.sampling
+    if tokenizer is None:
+        raise ValueError(f"request {request.request_id!r}: a plain TokenOutput carries no text; give the pool the "
+                         f"tokenizer (ReplicaPool(tokenizer=...)) to decode it")
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
+    finish, stop_detail = None, None
+    found = first_stop_string(tokens, tokenizer, sampling.stop_strings)
+    if found is not None:
+        cut, stop_detail = found
+        tokens, logprobs, versions = tokens[:cut], logprobs[:cut], versions[:cut]
+        text, finish = tokenizer.decode(tokens, skip_special_tokens=True), "stop"
+    if finish is None:
+        if out.stop_reason in ("aborted", "abort"):
+            finish = "aborted"
+        elif len(tokens) >= sampling.max_new_tokens:
+            finish = "length"
+        else:
+            finish, stop_detail = "stop", (tokens[-1] if tokens else None)
     return GenerationOutput(request_id=request.request_id, prompt_ids=list(request.prompt_ids), token_ids=tokens,
-                            logprobs=logprobs, versions=versions, finish_reason=finish,
-                            text=getattr(out, "text", ""), stop_reason=getattr(out, "stop_detail", None))
+                            logprobs=logprobs, versions=versions, finish_reason=finish, text=text,
+                            stop_reason=stop_detail)
 
 
 async def _receive_all(engine: Any, version: int) -> list[tuple[str, torch.Tensor]]:
@@ -457,131 +497,5 @@ class HFRolloutServer:
             self._cond.notify_all()
 
 
-class HFReplica(RolloutReplica):
-    """verl ``RolloutReplica`` for the transformers engine (registered as ``"hf"``).
-
-    ``rollout.mode=standalone`` (:meth:`init_standalone`): verl's version asks for GPU bundles and a
-    ``CheckpointEngineWorker``; we override it to launch one :class:`HFRolloutServer` actor with ``num_cpus``
-    CPUs (and one GPU when ``device="cuda"``), because this engine loads weights in its own process.
-    ``rollout.mode=hybrid`` (verl's :meth:`init_hybrid`, unchanged): the engine is the RolloutWorker fused into
-    a train rank's process and an :class:`~async_rl.rollout.hybrid.HFHybridServer` serves it. Tensor/pipeline/data parallelism inside a replica is not
-    supported (one process per replica): ``config.tensor_model_parallel_size`` etc. must be 1.
-    """
-
-    def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 1, *, device: str = "cpu",
-                 dtype: Optional[str] = None, torch_threads: Optional[int] = 1, chunk_tokens: int = 4,
-                 num_cpus: float = 1.0, initial_version: int = 0, name_prefix: str = "async_rl",
-                 start_timeout_s: float = 600.0) -> None:
-        super().__init__(replica_rank, config, model_config, gpus_per_node=max(1, gpus_per_node))
-        if self.world_size != 1:
-            raise ValueError(f"rollout.engine=hf runs one process per replica: set tensor/data/pipeline parallel "
-                             f"sizes to 1 (got world size {self.world_size}); use more replicas instead")
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"rollout device must be cpu or cuda, got {device!r}")
-        self.device = device
-        self.dtype = dtype
-        self.torch_threads = torch_threads
-        self.chunk_tokens = chunk_tokens
-        self.num_cpus = num_cpus
-        self.initial_version = initial_version
-        self.name_prefix = name_prefix
-        self.start_timeout_s = start_timeout_s
-
-    def rollout_worker_use_gpu(self) -> bool:
-        return self.device == "cuda"
-
-    async def init_standalone(self) -> None:
-        self.rollout_mode = RolloutMode.STANDALONE
-        await self.launch_servers()
-
-    # init_hybrid(worker_group) is verl's, unchanged: it keeps this replica's slice of the fused train workers in
-    # self.workers and calls launch_servers, which then starts an HFHybridServer in front of them.
-
-    async def launch_servers(self) -> None:
-        if self.rollout_mode == RolloutMode.HYBRID:
-            await self._launch_hybrid_server()
-            return
-        model_path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path")
-        server_cls = ray.remote(HFRolloutServer)
-        server = server_cls.options(
-            name=f"{self.name_prefix}_hf_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
-            max_concurrency=self.max_concurrency, num_cpus=self.num_cpus,
-            num_gpus=1 if self.device == "cuda" else 0,
-        ).remote(str(model_path), replica_rank=self.replica_rank, device=self.device, dtype=self.dtype,
-                 torch_threads=self.torch_threads, chunk_tokens=self.chunk_tokens,
-                 initial_version=self.initial_version,
-                 checkpoint_backend=self.config.checkpoint_engine.backend,
-                 checkpoint_bucket_megabytes=self.config.checkpoint_engine.update_weights_bucket_megabytes)
-        try:  # constructor errors (bad model path, ...) surface here; an unschedulable actor must not hang us
-            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
-        except asyncio.TimeoutError:
-            ray.kill(server, no_restart=True)
-            raise RuntimeError(
-                f"hf replica {self.replica_rank} did not start within {self.start_timeout_s:g} s (it needs "
-                f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; Ray has "
-                f"{ray.available_resources()}); start Ray with more CPUs or lower rollout.cpus_per_replica") from None
-        self.servers = [server]
-        self._server_handle = server
-        self.workers = [server]  # its own checkpoint-engine worker (verl's CheckpointEngineManager talks to it)
-
-    async def _launch_hybrid_server(self) -> None:
-        """``rollout.mode=hybrid``: one :class:`~async_rl.rollout.hybrid.HFHybridServer` (no CPU reserved, on the
-        train rank's node) in front of the RolloutWorker fused into that rank's process."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from async_rl.rollout.hybrid import HFHybridServer
-
-        if len(self.workers) != 1:
-            raise ValueError(f"hybrid hf replica {self.replica_rank} runs on one train rank, got {len(self.workers)}")
-        worker = self.workers[0]
-        node = await worker.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id())
-        server = ray.remote(HFHybridServer).options(
-            name=f"{self.name_prefix}_hf_hybrid_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
-            max_concurrency=self.max_concurrency, num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-        ).remote(worker, replica_rank=self.replica_rank, chunk_tokens=self.chunk_tokens)
-        try:
-            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
-        except asyncio.TimeoutError:
-            ray.kill(server, no_restart=True)
-            raise RuntimeError(f"hybrid hf replica {self.replica_rank} did not answer within "
-                               f"{self.start_timeout_s:g} s (its train rank is busy or gone)") from None
-        except ReplicaBrokenError as error:
-            ray.kill(server, no_restart=True)
-            raise RuntimeError(f"rollout.mode=hybrid: train rank {self.replica_rank} has no rollout engine to serve "
-                               f"({str(error).splitlines()[-1]}); build the train workers with "
-                               f"make_worker_groups('colocated', ...), which fuses a RolloutWorker into every "
-                               f"rank") from error
-        self.servers = [server]
-        self._server_handle = server
-
-    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
-        results = await asyncio.gather(*[s.update_weights.remote(published, version) for s in self.servers])
-        return results[0]
-
-
-def _load_hf() -> type[RolloutReplica]:
-    return HFReplica
-
-
-# async_rl.verl_plugin registers "hf" (lazily) whenever async_rl is imported or verl loads its plugins; this keeps
-# the name available even if that registration was bypassed
-if "hf" not in RolloutReplicaRegistry._registry:
-    RolloutReplicaRegistry.register("hf", _load_hf)
-
-
-def replica_class(engine: str) -> type[RolloutReplica]:
-    """verl's registry lookup with an install hint for engines that are not installed here."""
-    if engine not in ENGINE_NAMES:
-        raise ValueError(f"rollout.engine={engine!r}; valid choices: {', '.join(ENGINE_NAMES)}")
-    try:
-        return RolloutReplicaRegistry.get(engine)
-    except (ImportError, ValueError) as error:  # verl's vllm shim raises ValueError("vllm version None ...")
-        raise RuntimeError(f"rollout.engine={engine} needs the {engine} package, which is not installed here "
-                           f"({error}); install the GPU profile with `make install-gpu ENGINE={engine}` on a CUDA "
-                           f"machine, or use rollout.engine=hf") from error
-
-
-__all__ = ["BACKEND_NAME", "ENGINE_NAMES", "HFReplica", "HFRolloutServer", "ReplicaBrokenError", "VersionedTokenOutput",
-           "replica_class",
+__all__ = ["BACKEND_NAME", "ENGINE_NAMES", "OWN_SERVER_ENGINES", "HFRolloutServer", "ReplicaBrokenError", "VersionedTokenOutput",
            "sampling_from_server_dict", "sampling_to_server_dict", "token_output_to_generation"]

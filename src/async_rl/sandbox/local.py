@@ -5,11 +5,15 @@
 
 How one run is contained (outermost first)
 ------------------------------------------
-1. A *slot* is taken (``max_concurrency`` of them). Slot ``k`` has its own uid/gid, ``sandbox_uid + k`` /
-   ``sandbox_gid + k``, so concurrent runs are different users: RLIMIT_NPROC, which the kernel counts per
-   uid, is per run, and no run can signal or read another's processes.
+1. A *slot* is taken (``max_concurrency`` of them). As root, every ``LocalSandbox`` instance claims uids of
+   its own for its slots, host-wide (the first free ones from ``sandbox_uid`` up: no account in
+   ``/etc/passwd``, no live process, not claimed by another instance of any process: the claim is an
+   abstract Unix socket named after the uid, released by the kernel when the instance is closed or its
+   process dies). Concurrent runs are therefore different users, whether they share an instance or not:
+   no run can signal, trace or out-count another's processes.
 2. When a cgroup is available (see ``cgroup.py``), a fresh cgroup for this run with ``memory_limit_mb``
-   for **all its processes and tmpfs pages together** and ``pids.max = max_processes``. Without one, the
+   for **all its processes and tmpfs pages together** and ``pids.max = max_processes`` (then no
+   RLIMIT_NPROC is set: a per-uid count is shared with whatever else runs as that uid). Without one, the
    documented fallback: each process gets RLIMIT_AS of ``min(process_memory_mb, memory_limit_mb)`` and the
    run at most ``memory_limit_mb // that`` processes (RLIMIT_NPROC of the slot uid), so the product cannot
    exceed ``memory_limit_mb`` (the tmpfs mounts of step 3 come on top; only a cgroup counts them). Where
@@ -17,61 +21,85 @@ How one run is contained (outermost first)
    bomb at its cap gets one run's share of the CPU.
 3. A tiny launcher (``python -I -S -c``, standard library, none of this project's files) joins that cgroup,
    sets RLIMIT_CPU / AS / FSIZE / NOFILE / CORE=0, a niceness, ``PR_SET_PDEATHSIG`` (the run dies with the
-   trainer thread that started it) and ``exec``s **bwrap** with:
+   trainer thread that started it), joins a **fresh session keyring** (the trainer's keys are not the
+   run's), sets its ``oom_score_adj`` to -1000 when root has CAP_SYS_RESOURCE (bwrap and the namespace's
+   init are then never the OOM victim) and ``exec``s **bwrap** with:
    * new network, PID, IPC, UTS and cgroup namespaces (``--unshare-net`` also hides the host's abstract
      Unix sockets, which live in the network namespace); ``--die-with-parent``, ``--new-session``;
-   * a new, empty root (tmpfs, remounted read-only) holding only read-only binds of ``/usr`` (and the
-     ``/bin``, ``/lib*``, ``/sbin`` links or dirs), the dynamic-loader files of ``/etc``, and the
-     interpreter's prefixes (``sys.prefix``, ``sys.base_prefix``, ...) plus ``site-packages`` /
-     ``dist-packages`` directories on its ``sys.path``. Nothing else of the host exists inside: not the
-     project (an editable install's ``src`` is not exposed), not ``recipes/data``, not the host's
-     ``/tmp``, ``/run``, ``/var/run`` or ``/dev/shm`` and so no Unix socket file of the host;
-   * a fresh ``/proc`` (only the run's processes) and a minimal ``/dev``;
-   * private, size-capped tmpfs mounts ``/workdir`` (the working directory, ``main.py`` in it), ``/tmp``
-     and ``/dev/shm`` (``tmpfs_size_mb`` each): they vanish with the mount namespace when the run ends,
-     so there is nothing on the host disk to remove however deep or large a tree the code builds;
-   * as root: all capabilities dropped except CAP_SETUID/SETGID/SETPCAP, and the command is
-     ``prlimit --nproc=N -- setpriv --reuid/--regid <slot ids> --clear-groups --inh-caps=-all
-     --bounding-set=-all --no-new-privs -- python -I -B -u /workdir/main.py`` (util-linux tools): the
-     process cap is set while still root (root ignores it), then the uid switch makes it bind and clears
-     every capability. Not as root: bwrap makes an unprivileged user namespace (``--disable-userns``
-     forbids nested ones) and the same ``prlimit`` applies (counted inside that user namespace only).
+   * ``--seccomp FD``: the filter of ``syscall_filter.py`` (libseccomp), in both modes: no new user or
+     other namespaces, no keyrings, io_uring, userfaultfd, perf_event_open, bpf or mount-family calls, and
+     the rest of Docker's default refusals;
+   * a new, empty root (tmpfs, remounted read-only) holding read-only binds of ``/usr`` (and the
+     ``/bin``, ``/lib*``, ``/sbin`` links or dirs) and the dynamic-loader files of ``/etc``; then the
+     run's own mounts: a fresh ``/proc`` (only the run's processes), a minimal ``/dev`` and private,
+     size-capped tmpfs mounts ``/workdir`` (the working directory, ``main.py`` in it), ``/tmp`` and
+     ``/dev/shm`` (``tmpfs_size_mb`` each); and *last*, so that a location under ``/tmp`` or
+     ``/dev/shm`` works too, the interpreter's prefixes (``sys.prefix``, ``sys.base_prefix``, ...) plus
+     ``site-packages`` / ``dist-packages`` directories on its ``sys.path``. Nothing else of the host
+     exists inside: not the project (an editable install's ``src`` is not exposed), not
+     ``recipes/data``, not the host's ``/tmp``, ``/run``, ``/var/run`` or ``/dev/shm`` and so no Unix
+     socket file of the host. The tmpfs mounts vanish with the mount namespace;
+   * as root: all capabilities dropped except CAP_SETUID/SETGID/SETPCAP (and SYS_RESOURCE when the
+     trainer has it), and the command is ``choom -n 1000 -- setpriv --reuid/--regid <slot ids>
+     --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs -- python -I -B -u
+     /workdir/main.py`` (util-linux tools): the code's ``oom_score_adj`` is 1000 (set with
+     CAP_SYS_RESOURCE also its floor: the code cannot lower it; without, it may lower it back to the
+     trainer's), then the uid switch clears every capability. Not as root: bwrap makes an unprivileged
+     user namespace (``--disable-userns`` on top of the filter) and the same ``choom`` raises the code's
+     score (the floor stays the trainer's). Without a pids cgroup ``prlimit --nproc=N --`` comes first.
 4. The caller pumps stdout/stderr (at most ``max_output_bytes`` each, head and tail kept) and reads bwrap's
-   JSON status (the PID-namespace init's pid, then the exit code). At the deadline it SIGKILLs that init
-   through a pidfd (no pid-reuse race): the kernel then kills every process of the PID namespace, daemons
-   that called ``setsid()`` included. Cleanup waits for that init to be gone (which implies all of the
-   namespace is), kills and removes the run's cgroup, and reports any failure in
-   :attr:`SandboxResult.cleanup_error` rather than raising.
+   JSON status (the PID-namespace init's pid, then the exit code). It holds a pidfd on that init and a
+   reference to the run's mount namespace. At the deadline it SIGKILLs the init through the pidfd (no
+   pid-reuse race): the kernel then kills every process of the PID namespace, daemons that called
+   ``setsid()`` included. Because the caller holds the mount namespace, no exiting process pays for
+   unmounting the run's tmpfs (an inode flood makes that seconds); the **teardown** (wait for the init to
+   be gone, which implies all of the namespace is; drop the mount namespace; kill and remove the run's
+   cgroup) runs in a thread of its own. ``run()`` waits for it until ``timeout_s + 0.6`` s after the start
+   at most: what finishes by then is reported in :attr:`SandboxResult.cleanup_error`; a teardown still
+   running then finishes in the background, keeps the run's slot until it is done, and reports failures
+   in :attr:`LocalSandbox.teardown_errors` (:meth:`LocalSandbox.wait_idle` waits for all of them).
+
+Outcome rules: any OOM kill in the run's memory cgroup makes ``error_kind="memory"`` (checked first: memory
+the code holds outside its processes, e.g. in socket buffers, cannot turn its own overrun into anything
+else); ``sandbox_error`` only for failures the code cannot cause (no cgroup, the launcher or bwrap failing
+to start, no exit status without an OOM kill).
+
+Known channel (not closed): the read-only binds are the host's own inodes, so ``flock``/``fcntl`` locks the
+code takes on them are visible to the host and to runs that overlap in time: one bit per file at a time,
+no content, gone when the run ends (all its processes die before the teardown finishes).
 
 Why bubblewrap instead of hand-written namespace code
 -----------------------------------------------------
 The previous backend built the cage itself (ctypes ``unshare``/``mount``, a reaper as PID 1, a re-mount
 of every host mount read-only). To hide the host file system it would additionally need a new root with
 ``pivot_root``, device nodes and a proc mount: the same job bubblewrap (used by Flatpak, packaged by
-every distribution) does in audited C. With bwrap the launcher is ~20 lines and the policy is a list of
+every distribution) does in audited C. With bwrap the launcher is ~30 lines and the policy is a list of
 command-line flags; it is at least as strict (same namespaces, plus an empty root instead of a read-only
-view of the host, private ``/tmp``/``/dev/shm``, UTS/cgroup namespaces, no nested user namespaces when
-unprivileged). Cost: bwrap must be installed (``apt-get install bubblewrap``); without it construction
-fails with a message saying so.
+view of the host, private ``/tmp``/``/dev/shm``, UTS/cgroup namespaces, a seccomp filter). Cost: bwrap
+and libseccomp must be installed (``apt-get install bubblewrap libseccomp2``; ``pip install pyseccomp``);
+without them construction fails with a message saying so.
 
 Exit status: bwrap reports death by signal N as status ``128 + N`` (like a shell), so a status of 129–192
 is read as signal ``N`` (``exit_code = -N``); a program that itself exits with such a status is reported
 as killed by that signal.
 
-This module and ``cgroup.py`` use the standard library only.
+This module and ``cgroup.py`` use the standard library only; ``syscall_filter.py`` needs libseccomp.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
 import os
+import pwd
 import select
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -80,6 +108,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import cgroup as cgroups
+from . import syscall_filter
 
 __all__ = [
     "IsolationReport",
@@ -104,7 +133,7 @@ class SandboxResult:
         timed_out: the wall-clock limit was hit and the program was killed.
         error_kind: None on success, else one of
             ``"timeout"`` (wall clock), ``"cpu_limit"`` (RLIMIT_CPU), ``"memory"`` (MemoryError, or the
-            run's memory cgroup killed a process), ``"file_size"`` (RLIMIT_FSIZE), ``"killed"`` (any
+            run's memory cgroup OOM-killed any of its processes: checked before everything else), ``"file_size"`` (RLIMIT_FSIZE), ``"killed"`` (any
             other signal), ``"runtime_error"`` (non-zero exit, e.g. an uncaught exception),
             ``"sandbox_error"`` (the sandbox itself failed: not the code's fault),
             ``"unreachable"`` (remote sandbox could not be reached; see ``fusion``).
@@ -112,8 +141,9 @@ class SandboxResult:
         stdout_truncated, stderr_truncated: output was longer than the cap.
         detail: extra explanation for sandbox-side failures.
         process_group: id of the process group the run used (local backend; for diagnostics/tests).
-        cleanup_error: None when everything the run created is gone (processes, cgroup); else what is
-            left. The result itself is still valid.
+        cleanup_error: None when everything the run created is gone (processes, cgroup) or, for a
+            teardown that outlasts ``timeout_s + 0.6`` s, still being removed in the background (see
+            ``LocalSandbox.teardown_errors``); else what is left. The result itself is still valid.
     """
 
     stdout: str
@@ -162,7 +192,9 @@ class IsolationReport:
         memory_scope: ``"cgroup"`` (``memory_limit_mb`` covers all processes of a run together) or
             ``"per_process"`` (RLIMIT_AS per process x the process limit <= ``memory_limit_mb``).
         per_process_memory_mb: RLIMIT_AS of each process.
-        slot_uids: the uid of each concurrency slot (empty when not root).
+        slot_uids: the uid of each concurrency slot, claimed by this instance (empty when not root,
+            and from :func:`detect_isolation`, which has no instance).
+        seccomp: the syscalls the run's seccomp filter refuses (names, clone flags; see ``syscall_filter``).
         warnings: what is weaker than the full setup and why.
     """
 
@@ -175,6 +207,7 @@ class IsolationReport:
     memory_scope: str = "per_process"
     per_process_memory_mb: int | None = None
     slot_uids: tuple[int, ...] = ()
+    seccomp: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
 
@@ -185,6 +218,13 @@ _LAUNCHER_SETUP_FAILED = 125
 # /etc entries the dynamic loader and libc need; nothing else of /etc (no passwd, hosts, ssl keys).
 _ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives")
 _TOP_LEVEL_SYSTEM = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# The run's own mounts and directories (step 3): an interpreter below one is bound after it, never into one.
+_PRIVATE_MOUNTS = ("/proc", "/dev", "/dev/shm", "/tmp", "/run", "/var", _WORKDIR)
+_RUN_SLACK_S = 0.6  # run() returns at most this long after timeout_s (teardown goes on in the background)
+_UID_SEARCH_SPAN = 1024  # uids tried from sandbox_uid up when claiming an instance's slot uids
+_NEVER_UIDS = (65534, 65535)  # nobody, and (uid_t)-1 in 16 bits
+_UID_CLAIM_PREFIX = "async_rl_sandbox_uid_"
+_CAP_SYS_RESOURCE = 24
 
 # Joins the run's cgroup, sets the limits, ties itself to the trainer thread, then becomes bwrap. Runs with
 # -I -S (no site, no environment) from a string so that no file of this project is needed to start it.
@@ -200,7 +240,16 @@ try:
         resource.setrlimit(getattr(resource, name), (soft, hard))
     if config["nice"]:
         os.nice(config["nice"])
+    if config["oom_score_adj"] is not None:  # bwrap and its init: never the OOM killer's choice
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write(str(config["oom_score_adj"]))
     libc = ctypes.CDLL(None, use_errno=True)
+    if config["keyctl"] is not None:  # KEYCTL_JOIN_SESSION_KEYRING (1) with no name: a new, empty one
+        libc.syscall.restype = ctypes.c_long
+        if libc.syscall(ctypes.c_long(config["keyctl"]), ctypes.c_long(1), ctypes.c_void_p(None)) < 0:
+            error = ctypes.get_errno()
+            if error not in (1, 38):  # EPERM (keyctl refused by an outer filter), ENOSYS (no keyrings)
+                raise OSError(error, "keyctl(KEYCTL_JOIN_SESSION_KEYRING) failed: " + os.strerror(error))
     if libc.prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != config["parent_pid"]:
@@ -274,8 +323,8 @@ def _exposed_directories(python: str) -> list[str]:
     return chosen
 
 
-def _filesystem_arguments(exposed: list[str]) -> list[str]:
-    """bwrap arguments that build the new root (see the module docstring, step 3)."""
+def _system_arguments() -> list[str]:
+    """bwrap arguments for the system part of the new root: /usr, the top-level links, the loader's /etc files."""
     arguments = ["--ro-bind", "/usr", "/usr"]
     for name in _TOP_LEVEL_SYSTEM:
         host = "/" + name
@@ -287,7 +336,30 @@ def _filesystem_arguments(exposed: list[str]) -> list[str]:
         host = os.path.join("/etc", name)
         if os.path.exists(host):
             arguments += ["--ro-bind", host, host]
-    created: set[str] = set()
+    return arguments
+
+
+def _interpreter_arguments(exposed: list[str]) -> list[str]:
+    """bwrap arguments binding the interpreter's directories; they come after the run's own mounts, so a
+    venv under ``/tmp`` or ``/dev/shm`` lands on the run's tmpfs instead of being hidden by it.
+
+    Raises:
+        SandboxUnavailableError: a directory would cover one of the run's own mounts (e.g. a prefix of
+            ``/tmp`` itself would expose the host's ``/tmp``) or lies in ``/proc``, ``/dev`` or ``/workdir``.
+    """
+    for directory in exposed:
+        covered = [m for m in _PRIVATE_MOUNTS if _within(m, directory)]
+        inside = [m for m in ("/proc", _WORKDIR) if _within(directory, m)]
+        if _within(directory, "/dev") and not _within(directory, "/dev/shm"):
+            inside.append("/dev")
+        if covered or inside:
+            raise SandboxUnavailableError(
+                f"the interpreter's directory {directory} cannot be bound into the sandbox: it "
+                + (f"would cover the run's own {', '.join(covered)}" if covered else f"lies in {inside[0]}")
+                + ". Fix: use an interpreter/venv in a directory of its own (e.g. /opt/venv or /tmp/<name>/.venv)"
+            )
+    arguments: list[str] = []
+    created: set[str] = {*_PRIVATE_MOUNTS, "/var/run", "/var/tmp"}  # exist already (the last two: links)
     for directory in exposed:
         # bwrap would create missing parents with mode 0700 (unusable for the slot uid): make them 0755.
         parts = directory.strip("/").split("/")
@@ -311,9 +383,14 @@ class _Capabilities:
     bwrap_version: str
     setpriv: str | None
     prlimit: str
+    choom: str
     is_root: bool
+    oom_floor: bool  # root with CAP_SYS_RESOURCE: bwrap at -1000, the code at 1000 and unable to go lower
     layout: cgroups.CgroupLayout | None
-    filesystem: tuple[str, ...]
+    system_binds: tuple[str, ...]
+    interpreter_binds: tuple[str, ...]
+    seccomp_program: bytes  # BPF for bwrap --seccomp (syscall_filter.build_program)
+    keyctl_number: int | None  # for the launcher's KEYCTL_JOIN_SESSION_KEYRING
     report: IsolationReport
 
 
@@ -352,20 +429,20 @@ def detect_isolation(
 ) -> IsolationReport:
     """What containment a LocalSandbox with these settings gets here (probed once, then cached).
 
+    ``sandbox_uid``, ``sandbox_gid`` and ``max_concurrency`` are accepted for symmetry with
+    :class:`LocalSandbox`; uids are claimed per instance, so ``slot_uids`` is empty here.
+
     Raises:
-        SandboxUnavailableError: bwrap (or, as root, setpriv/prlimit) is missing, or not Linux.
+        SandboxUnavailableError: bwrap, libseccomp (or, as root, setpriv/prlimit/choom) is missing, or not Linux.
     """
+    del sandbox_uid, sandbox_gid, max_concurrency
     return _detect_capabilities(
-        os.path.abspath(python_executable or sys.executable), sandbox_uid, sandbox_gid, max_processes,
-        memory_limit_mb, process_memory_mb, max_concurrency,
+        os.path.abspath(python_executable or sys.executable), max_processes, memory_limit_mb, process_memory_mb,
     ).report
 
 
-def _detect_capabilities(
-    python: str, uid: int, gid: int, max_processes: int, memory_limit_mb: int, process_memory_mb: int,
-    max_concurrency: int,
-) -> _Capabilities:
-    key = (python, uid, gid, max_processes, memory_limit_mb, process_memory_mb, max_concurrency, os.geteuid())
+def _detect_capabilities(python: str, max_processes: int, memory_limit_mb: int, process_memory_mb: int) -> _Capabilities:
+    key = (python, max_processes, memory_limit_mb, process_memory_mb, os.geteuid())
     with _CAPABILITY_LOCK:
         if key in _CAPABILITY_CACHE:
             return _CAPABILITY_CACHE[key]
@@ -377,8 +454,15 @@ def _detect_capabilities(
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise SandboxUnavailableError(f"{bwrap} --version failed ({exc}); reinstall bubblewrap") from None
         prlimit = _require_tool("prlimit", "util-linux")
+        choom = _require_tool("choom", "util-linux")
         is_root = os.geteuid() == 0
         setpriv = _require_tool("setpriv", "util-linux") if is_root else None
+        oom_floor = is_root and _has_capability(_CAP_SYS_RESOURCE)
+        try:
+            seccomp_program, seccomp_summary = syscall_filter.build_program()
+            keyctl_number = syscall_filter.syscall_number("keyctl")
+        except syscall_filter.SeccompUnavailableError as exc:
+            raise SandboxUnavailableError(str(exc)) from None
         warnings: list[str] = []
         layout, reasons = cgroups.probe(memory_limit_mb * 1024 * 1024, max_processes)
         if layout is not None:
@@ -390,20 +474,14 @@ def _detect_capabilities(
                 "limit is per process; a run is capped at processes x per-process memory <= memory_limit_mb"
             )
         per_process_mb, processes = _memory_plan(memory_limit_mb, process_memory_mb, max_processes, cgroup_memory)
-        slot_uids: tuple[int, ...] = ()
-        if is_root:
-            slot_uids = tuple(uid + slot for slot in range(max_concurrency))
-            busy = sorted(_live_uids() & set(slot_uids))
-            if busy:
-                warnings.append(
-                    f"uids {busy} of the sandbox slots already run processes here; they share those slots' "
-                    "process limit. Pick another sandbox_uid range"
-                )
-        else:
+        if not is_root:
             warnings.append(
                 "not running as root: every run uses the trainer's own uid inside an unprivileged user "
                 "namespace (no per-slot uids); its process limit is counted inside that namespace"
             )
+        if not oom_floor:
+            logger.info("LocalSandbox: no CAP_SYS_RESOURCE: the code starts at oom_score_adj 1000 but may lower it "
+                        "to the trainer's; an OOM kill is still reported as error_kind='memory'")
         report = IsolationReport(
             network_isolated=True,
             filesystem_readonly=True,
@@ -413,17 +491,76 @@ def _detect_capabilities(
             user_namespace=not is_root,
             memory_scope="cgroup" if cgroup_memory else "per_process",
             per_process_memory_mb=per_process_mb,
-            slot_uids=slot_uids,
+            seccomp=tuple(seccomp_summary["refused"]) + tuple(f"clone({flag})" for flag in seccomp_summary["clone_flags"]),
             warnings=tuple(warnings),
         )
         for warning in warnings:
             logger.warning("LocalSandbox: %s", warning)
         capabilities = _Capabilities(
-            bwrap, bwrap_version, setpriv, prlimit, is_root, layout, tuple(_filesystem_arguments(_exposed_directories(python))),
-            report,
+            bwrap, bwrap_version, setpriv, prlimit, choom, is_root, oom_floor, layout, tuple(_system_arguments()),
+            tuple(_interpreter_arguments(_exposed_directories(python))), seccomp_program, keyctl_number, report,
         )
         _CAPABILITY_CACHE[key] = capabilities
         return capabilities
+
+
+class _UidClaim:
+    """This instance's slot uids, claimed host-wide (module docstring, step 1).
+
+    A claim on uid ``u`` is a bound abstract Unix socket ``@async_rl_sandbox_uid_<u>``: another process's
+    bind of the same name fails, and the kernel drops the name when the socket is closed or its process
+    dies, so a killed trainer never leaves a stale claim.
+    """
+
+    def __init__(self, first_uid: int, count: int) -> None:
+        self.sockets: list[socket.socket] = []
+        self.uids: list[int] = []
+        live = _live_uids()
+        for uid in range(first_uid, first_uid + _UID_SEARCH_SPAN):
+            if len(self.uids) == count:
+                break
+            if uid in _NEVER_UIDS or uid in live or _has_account(uid):
+                continue
+            claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                claim.bind(f"\0{_UID_CLAIM_PREFIX}{uid}")
+            except OSError:  # claimed by another instance (of this or another process)
+                claim.close()
+                continue
+            self.sockets.append(claim)
+            self.uids.append(uid)
+        if len(self.uids) < count:
+            self.release()
+            raise SandboxUnavailableError(
+                f"cannot claim {count} free sandbox uids in {first_uid}..{first_uid + _UID_SEARCH_SPAN - 1} "
+                "(each must have no account, no live process and no other LocalSandbox using it). Fix: close "
+                "unused LocalSandbox instances or pass another sandbox_uid/sandbox_gid range"
+            )
+
+    def release(self) -> None:
+        for claim in self.sockets:
+            claim.close()
+        self.sockets.clear()
+
+
+def _has_capability(number: int) -> bool:
+    """Whether this process has capability ``number`` in its effective set."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> number & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _has_account(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
 
 
 def _live_uids() -> set[int]:
@@ -502,12 +639,16 @@ def _json_documents(data: bytes) -> list[dict[str, Any]]:
 
 @dataclass
 class _Run:
-    """Host-side state of one run, everything cleanup needs."""
+    """Host-side state of one run, everything the teardown needs."""
 
     process: subprocess.Popen | None = None
     init_pidfd: int | None = None  # the PID namespace's init (bwrap's child): its exit ends the namespace
+    mount_ns_fd: int | None = None  # holds the run's mount namespace: dropped (unmounted) by the teardown
     cgroup: cgroups.RunCgroup | None = None
     fds: list[int] = field(default_factory=list)
+    cleanup_error: str | None = None
+    finished: bool = False  # the teardown is over
+    detached: bool = False  # run() returned before the teardown was over
 
 
 class LocalSandbox:
@@ -524,13 +665,15 @@ class LocalSandbox:
         max_file_size_mb: RLIMIT_FSIZE, the largest file the code may write.
         tmpfs_size_mb: size of each private tmpfs (``/workdir``, ``/tmp``, ``/dev/shm``).
         max_open_files: RLIMIT_NOFILE.
-        max_processes: processes + threads of one run (pids cgroup, where bwrap's own two count too, and
-            RLIMIT_NPROC of the slot uid).
+        max_processes: processes + threads of one run (the pids cgroup, where bwrap's own two count too;
+            without one, RLIMIT_NPROC of the slot uid).
         max_output_bytes: cap per stream on captured stdout/stderr (head and tail kept).
         max_concurrency: concurrent runs through this instance (one uid each); more callers wait.
         python_executable: interpreter for the code (default: the current one, with its packages).
-        sandbox_uid, sandbox_gid: ids of slot 0 when the caller is root; slot k uses ``+ k``. The default
-            65000 starts Debian's never-assigned 65000-65533 range.
+        sandbox_uid, sandbox_gid: where the search for this instance's slot uids starts when the caller
+            is root (the first ``max_concurrency`` free uids from here up; the gid of uid ``u`` is
+            ``sandbox_gid + (u - sandbox_uid)``). See :attr:`slot_uids`. The default 65000 starts
+            Debian's never-assigned 65000-65533 range.
         extra_env: additional environment variables for the code.
         nice: niceness added to the code's processes (a spinning program must not starve the trainer).
         strict: raise :class:`SandboxUnavailableError` unless the run's memory is limited by a cgroup and
@@ -594,56 +737,82 @@ class LocalSandbox:
         self.nice = nice
         self._free_slots = list(range(max_concurrency))
         self._slots_changed = threading.Condition()
+        self._closed = False
+        self.teardown_errors: list[str] = []  # failures of teardowns that finished after run() returned
         self._capabilities = _detect_capabilities(
-            self.python_executable, sandbox_uid, sandbox_gid, max_processes, memory_limit_mb,
-            process_memory_mb, max_concurrency,
+            self.python_executable, max_processes, memory_limit_mb, process_memory_mb,
         )
+        self._uid_claim: _UidClaim | None = None
+        self.slot_uids: tuple[int, ...] = ()
+        self.slot_gids: tuple[int, ...] = ()
+        report = self._capabilities.report
+        if self._capabilities.is_root:
+            self._uid_claim = _UidClaim(sandbox_uid, max_concurrency)
+            self.slot_uids = tuple(self._uid_claim.uids)
+            self.slot_gids = tuple(sandbox_gid + (uid - sandbox_uid) for uid in self.slot_uids)
+            report = dataclasses.replace(report, slot_uids=self.slot_uids)
+        self._report = report
         if strict:
-            report = self._capabilities.report
             missing = [name for name, ok in (("a memory cgroup", report.memory_scope == "cgroup"),
                                              ("per-slot uids (run as root)", report.privileges_dropped)) if not ok]
             if missing:
+                self.close()
                 raise SandboxUnavailableError(
                     f"strict LocalSandbox: missing {', '.join(missing)} ({'; '.join(report.warnings)}). "
                     "Run as root with a writable cgroup hierarchy, or use the SandboxFusion backend."
                 )
-        self._smoke_test()
+        try:
+            self._smoke_test()
+        except BaseException:
+            self.close()
+            raise
 
     # -- public ------------------------------------------------------------------------------------
 
     @property
     def isolation(self) -> IsolationReport:
         """The containment mechanisms in force (see :class:`IsolationReport`)."""
-        return self._capabilities.report
+        return self._report
 
     @property
     def network_isolated(self) -> bool:
-        return self._capabilities.report.network_isolated
+        return self._report.network_isolated
 
     def run(self, code: str, timeout_s: float | None = None, stdin: str | None = None) -> SandboxResult:
-        """Execute ``code`` as a Python script; blocks until done (at most about ``timeout_s`` + 1 s).
+        """Execute ``code`` as a Python script; blocks until done, at most ``timeout_s`` + 0.6 s (plus the
+        wait for a free slot).
 
         Whatever the code does, this returns a :class:`SandboxResult`: infrastructure failures are
         ``error_kind="sandbox_error"`` and leftovers are reported in ``cleanup_error``.
 
         Raises:
             ValueError: ``timeout_s`` is not positive (a caller bug, not the code's doing).
+            RuntimeError: the sandbox was closed.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout}")
         slot = self._take_slot()
-        try:
-            return self._run_once(code, timeout, stdin, slot)
-        finally:
-            self._give_slot(slot)
+        return self._run_once(code, timeout, stdin, slot)  # gives the slot back when its teardown is over
 
     async def arun(self, code: str, timeout_s: float | None = None, stdin: str | None = None) -> SandboxResult:
         """``await``-able :meth:`run` (runs in a worker thread; the event loop is never blocked)."""
         return await asyncio.to_thread(self.run, code, timeout_s, stdin)
 
-    def close(self) -> None:
-        """Nothing persistent to release (each run cleans up after itself); kept for interface symmetry."""
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no run and no teardown is in progress. True if idle, False on timeout."""
+        with self._slots_changed:
+            return self._slots_changed.wait_for(lambda: len(self._free_slots) == self.max_concurrency, timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait (at most ``timeout_s``) for runs and teardowns in progress, then release the slot uids.
+        Later :meth:`run` calls raise RuntimeError. Idempotent."""
+        with self._slots_changed:
+            self._closed = True
+            self._slots_changed.notify_all()
+        self.wait_idle(timeout_s)
+        if self._uid_claim is not None:
+            self._uid_claim.release()
 
     def __enter__(self) -> "LocalSandbox":
         return self
@@ -654,10 +823,12 @@ class LocalSandbox:
     # -- slots -------------------------------------------------------------------------------------
 
     def _take_slot(self) -> int:
-        """The lowest free slot (so a lone caller always runs as ``sandbox_uid``); waits when none is free."""
+        """The lowest free slot (so a lone caller always runs as ``slot_uids[0]``); waits when none is free."""
         with self._slots_changed:
-            while not self._free_slots:
+            while not self._free_slots and not self._closed:
                 self._slots_changed.wait()
+            if self._closed:
+                raise RuntimeError("this LocalSandbox is closed; create a new one")
             slot = min(self._free_slots)
             self._free_slots.remove(slot)
             return slot
@@ -665,7 +836,7 @@ class LocalSandbox:
     def _give_slot(self, slot: int) -> None:
         with self._slots_changed:
             self._free_slots.append(slot)
-            self._slots_changed.notify()
+            self._slots_changed.notify_all()
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -704,7 +875,7 @@ class LocalSandbox:
         env.update(self.extra_env)
         return env
 
-    def _command(self, slot: int, code_fd: int, status_fd: int) -> list[str]:
+    def _command(self, slot: int, code_fd: int, status_fd: int, seccomp_fd: int) -> list[str]:
         """The bwrap command line of one run (module docstring, step 3)."""
         capabilities = self._capabilities
         tmpfs_bytes = str(self.tmpfs_size_mb * 1024 * 1024)
@@ -713,14 +884,17 @@ class LocalSandbox:
             "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--hostname", "sandbox", "--die-with-parent", "--new-session",
             "--json-status-fd", str(status_fd),
+            "--seccomp", str(seccomp_fd),
         ]
         if capabilities.is_root:
-            # Keep only what setpriv needs to switch to the slot uid; that switch clears these too.
+            # Keep only what setpriv (the uid switch) and choom (the score's floor) need; setpriv clears all.
             argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
                      "--cap-add", "CAP_SETPCAP"]
+            if capabilities.oom_floor:
+                argv += ["--cap-add", "CAP_SYS_RESOURCE"]
         else:
             argv += ["--unshare-user", "--disable-userns"]
-        argv += list(capabilities.filesystem)
+        argv += list(capabilities.system_binds)
         argv += [
             "--proc", "/proc", "--dev", "/dev",
             "--perms", "1777", "--size", tmpfs_bytes, "--tmpfs", "/tmp",
@@ -729,15 +903,21 @@ class LocalSandbox:
             "--symlink", "../run", "/var/run", "--symlink", "../tmp", "/var/tmp",
             # 0777: the run is alone in its mount namespace, and the slot uid must be able to write here.
             "--perms", "0777", "--size", tmpfs_bytes, "--tmpfs", _WORKDIR,
+        ]
+        argv += list(capabilities.interpreter_binds)  # after the run's mounts: /tmp/<venv> stays visible
+        argv += [
             "--perms", "0644", "--file", str(code_fd), f"{_WORKDIR}/{_SCRIPT_NAME}",
             "--remount-ro", "/",
             "--chdir", _WORKDIR,
             "--",
         ]
-        processes = capabilities.report.process_limit
-        argv += [capabilities.prlimit, f"--nproc={processes}:{processes}", "--"]
+        layout = capabilities.layout
+        if layout is None or layout.pids_parent is None:  # else pids.max caps the run, not a per-uid count
+            processes = capabilities.report.process_limit
+            argv += [capabilities.prlimit, f"--nproc={processes}:{processes}", "--"]
+        argv += [capabilities.choom, "-n", "1000", "--"]
         if capabilities.is_root:
-            argv += [capabilities.setpriv, f"--reuid={self.sandbox_uid + slot}", f"--regid={self.sandbox_gid + slot}",
+            argv += [capabilities.setpriv, f"--reuid={self.slot_uids[slot]}", f"--regid={self.slot_gids[slot]}",
                      "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
         argv += [self.python_executable, "-I", "-B", "-u", f"{_WORKDIR}/{_SCRIPT_NAME}"]
         return argv
@@ -752,6 +932,9 @@ class LocalSandbox:
             "parent_pid": os.getpid(),
             "nice": self.nice,
             "cgroup_procs": cgroup.procs_files if cgroup else [],
+            # with CAP_SYS_RESOURCE: bwrap, its init and the tools before the code are never the OOM victim
+            "oom_score_adj": -1000 if self._capabilities.oom_floor else None,
+            "keyctl": self._capabilities.keyctl_number,
             "rlimits": [
                 ["RLIMIT_CORE", 0, 0],
                 # CPU: the soft limit sends SIGXCPU (reported as "cpu_limit"), the hard one SIGKILLs 1 s later.
@@ -765,6 +948,7 @@ class LocalSandbox:
     def _run_once(self, code: str, timeout_s: float, stdin: str | None, slot: int) -> SandboxResult:
         started = time.monotonic()
         run = _Run()
+        result = None
         try:
             try:
                 result = self._start_and_collect(run, code, timeout_s, stdin, slot, started)
@@ -772,8 +956,15 @@ class LocalSandbox:
                 result = SandboxResult("", "", None, False, "sandbox_error", time.monotonic() - started,
                                        detail=f"sandbox failure: {type(exc).__name__}: {exc}")
         finally:  # also on KeyboardInterrupt: never leave a run's processes or cgroup behind
-            cleanup_error = self._clean_up(run)
-        result.cleanup_error = cleanup_error
+            self._kill(run)
+            teardown = threading.Thread(target=self._teardown, args=(run, slot), name="sandbox-teardown", daemon=True)
+            teardown.start()
+            teardown.join(max(0.05, started + timeout_s + _RUN_SLACK_S - time.monotonic()))
+        with self._slots_changed:
+            if run.finished:
+                result.cleanup_error = run.cleanup_error
+            else:
+                run.detached = True
         if result.cleanup_error:
             logger.warning("LocalSandbox: cleanup incomplete: %s", result.cleanup_error)
         return result
@@ -788,33 +979,28 @@ class LocalSandbox:
             except OSError as exc:
                 return SandboxResult("", "", None, False, "sandbox_error", time.monotonic() - started,
                                      detail=f"could not create the run's cgroup: {exc}")
-        # The program and stdin travel in anonymous memory files: nothing of the run touches the host disk.
-        code_fd = os.memfd_create("main.py")
-        run.fds.append(code_fd)
-        os.write(code_fd, code.encode("utf-8", errors="surrogatepass"))
-        os.lseek(code_fd, 0, os.SEEK_SET)
+        # The program, stdin and the filter travel in anonymous memory files: nothing touches the host disk.
+        code_fd = _memory_file("main.py", code.encode("utf-8", errors="surrogatepass"), run)
+        seccomp_fd = _memory_file("seccomp", self._capabilities.seccomp_program, run)
         stdin_fd = None
         if stdin is not None:
-            stdin_fd = os.memfd_create("stdin")
-            run.fds.append(stdin_fd)
-            os.write(stdin_fd, stdin.encode("utf-8", errors="surrogatepass"))
-            os.lseek(stdin_fd, 0, os.SEEK_SET)
+            stdin_fd = _memory_file("stdin", stdin.encode("utf-8", errors="surrogatepass"), run)
         launcher_read, launcher_write = os.pipe()
         bwrap_read, bwrap_write = os.pipe()
         run.fds += [launcher_read, launcher_write, bwrap_read, bwrap_write]
-        argv = self._command(slot, code_fd, bwrap_write)
+        argv = self._command(slot, code_fd, bwrap_write, seccomp_fd)
         config = self._launcher_config(argv, run.cgroup, timeout_s, launcher_write)
         run.process = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(config)],
             stdin=stdin_fd if stdin_fd is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(code_fd, launcher_write, bwrap_write),
+            pass_fds=(code_fd, seccomp_fd, launcher_write, bwrap_write),
             start_new_session=True,  # own process group: one killpg reaches the launcher/bwrap
             env=self._environment(),
             cwd="/",
         )
-        for fd in (launcher_write, bwrap_write, code_fd):  # the child has them now
+        for fd in (launcher_write, bwrap_write, code_fd, seccomp_fd):  # the child has them now
             os.close(fd)
             run.fds.remove(fd)
         return self._collect(run, launcher_read, bwrap_read, started, timeout_s)
@@ -839,8 +1025,8 @@ class LocalSandbox:
                     finish_by = now + 0.5  # bwrap gone => the namespace is gone; drain what is buffered
                 if finish_by is None and now >= deadline:
                     timed_out = True
-                    self._stop(run)
-                    finish_by = time.monotonic() + 0.5
+                    self._kill(run)
+                    finish_by = min(now + 0.5, deadline + _RUN_SLACK_S / 2)
                 if finish_by is not None and now >= finish_by:
                     break
                 wait = (finish_by if finish_by is not None else deadline) - now
@@ -857,7 +1043,7 @@ class LocalSandbox:
         finally:
             selector.close()
         wall_s = time.monotonic() - started
-        self._stop(run)
+        self._kill(run)
 
         status: dict[str, Any] = {}
         for document in _json_documents(bytes(status_bytes[bwrap_read])) + _json_documents(
@@ -883,7 +1069,7 @@ class LocalSandbox:
 
     @staticmethod
     def _track_init(run: _Run, status: bytes) -> None:
-        """Open a pidfd on the PID namespace's init as soon as bwrap names it."""
+        """As soon as bwrap names the PID namespace's init: a pidfd on it and a hold on its mount namespace."""
         for document in _json_documents(status):
             pid, namespace = document.get("child-pid"), document.get("pid-namespace")
             if not isinstance(pid, int) or pid <= 0:
@@ -897,44 +1083,44 @@ class LocalSandbox:
                 same = namespace is None or os.stat(f"/proc/{pid}/ns/pid").st_ino == namespace
             except OSError:
                 same = False
-            if same:
-                run.init_pidfd = pidfd
-            else:
+            if not same:
                 os.close(pidfd)
+                return
+            run.init_pidfd = pidfd
+            try:
+                mount_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return  # gone already, or not ours to open: then the last process unmounts, on its way out
+            try:
+                signal.pidfd_send_signal(pidfd, 0)  # alive after the open: the namespace is the run's
+                run.mount_ns_fd = mount_ns
+            except OSError:
+                os.close(mount_ns)
             return
 
     @staticmethod
-    def _stop(run: _Run) -> None:
-        """Kill the run: the namespace's init first (the kernel then kills every process in it, and bwrap,
-        its parent, reaps it), then bwrap and the launcher's whole group."""
+    def _kill(run: _Run) -> None:
+        """SIGKILL the run without waiting: the namespace's init (the kernel then kills every process in it),
+        and bwrap's process group while bwrap is not yet reaped (so its pid cannot have been reused)."""
         if run.init_pidfd is not None:
             try:
                 signal.pidfd_send_signal(run.init_pidfd, signal.SIGKILL)
             except OSError:
                 pass  # already exited
         process = run.process
-        if process is None:
-            return
-        try:
-            process.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        _kill_group(process.pid)
-        if process.poll() is None:
-            process.kill()
-            try:
-                process.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                pass
+        if process is not None and process.poll() is None:
+            _kill_group(process.pid)
 
-    def _clean_up(self, run: _Run) -> str | None:
-        """Release everything of the run; returns what could not be released (never raises)."""
+    def _teardown(self, run: _Run, slot: int) -> None:
+        """Release everything of the run (own thread; never raises), then give its slot back."""
         problems = []
         try:
-            self._stop(run)
+            self._kill(run)
             if run.process is not None:
-                if run.process.poll() is None:
-                    problems.append(f"bwrap (pid {run.process.pid}) did not exit after SIGKILL")
+                try:
+                    run.process.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    problems.append(f"bwrap (pid {run.process.pid}) did not exit 5 s after SIGKILL")
                 for stream in (run.process.stdout, run.process.stderr):
                     if stream is not None:
                         stream.close()
@@ -947,6 +1133,9 @@ class LocalSandbox:
                     problems.append("the sandbox's PID namespace is still alive 5 s after SIGKILL")
                 os.close(run.init_pidfd)
                 run.init_pidfd = None
+            if run.mount_ns_fd is not None:
+                os.close(run.mount_ns_fd)  # the last reference: the run's tmpfs mounts go now (may take seconds)
+                run.mount_ns_fd = None
             if run.cgroup is not None:
                 error = run.cgroup.remove(timeout_s=2.0)
                 if error:
@@ -959,18 +1148,28 @@ class LocalSandbox:
             except OSError:
                 pass
         run.fds.clear()
-        return "; ".join(problems) or None
+        with self._slots_changed:
+            run.cleanup_error = "; ".join(problems) or None
+            run.finished = True
+            late_failure = run.detached and run.cleanup_error
+            if late_failure:
+                self.teardown_errors.append(run.cleanup_error)
+        if late_failure:
+            logger.warning("LocalSandbox: teardown after the result incomplete: %s", run.cleanup_error)
+        self._give_slot(slot)
 
     @staticmethod
     def _classify(status: dict[str, Any], timed_out: bool, stderr: str, timeout_s: float,
                   oom_kills: int) -> tuple[int | None, str | None, str | None]:
-        """``(exit_code, error_kind, detail)`` from bwrap's and the launcher's reports."""
+        """``(exit_code, error_kind, detail)`` from bwrap's and the launcher's reports and the cgroup's OOM count."""
         raw = status.get("exit-code")
         exit_code: int | None = raw if isinstance(raw, int) else None
         signal_number = None
         if exit_code is not None and 128 < exit_code <= 128 + 64:
             signal_number = exit_code - 128  # bwrap's convention for "killed by signal N"
             exit_code = -signal_number
+        if oom_kills:  # first: whatever else happened (no status, a timeout) followed from the overrun
+            return exit_code, "memory", f"memory limit of the run exceeded ({oom_kills} process(es) OOM-killed)"
         if timed_out:  # whatever status bwrap saw was our own SIGKILL
             return None, "timeout", f"wall-clock limit of {timeout_s:g} s exceeded"
         if status.get("setup_error"):
@@ -978,8 +1177,6 @@ class LocalSandbox:
         if exit_code is None:
             tail = stderr.strip()[-500:]
             return None, "sandbox_error", f"the sandbox did not start the program: {tail or 'no report'}"
-        if oom_kills and exit_code != 0:
-            return exit_code, "memory", f"memory limit of the run exceeded ({oom_kills} process(es) OOM-killed)"
         if signal_number:
             if signal_number == signal.SIGXCPU:
                 return exit_code, "cpu_limit", "CPU time limit exceeded"
@@ -996,3 +1193,14 @@ class LocalSandbox:
                 return exit_code, "memory", "memory limit exceeded (MemoryError)"
             return exit_code, "runtime_error", None
         return 0, None, None
+
+
+def _memory_file(name: str, data: bytes, run: _Run) -> int:
+    """An anonymous memory file holding ``data``, positioned at its start (closed with the run)."""
+    fd = os.memfd_create(name)
+    run.fds.append(fd)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

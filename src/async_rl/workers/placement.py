@@ -13,7 +13,7 @@
     object store with a version number and pulled by every rollout worker.
 
 Both placements give one :class:`WorkerGroups` with a worker group per role (``actor``, ``critic``,
-``rollout``), all :class:`~async_rl.workers.verl_workers.TimedRayWorkerGroup` (every call has a
+``rollout``), all :class:`~async_rl.workers.calls.TimedRayWorkerGroup` (every call has a
 deadline).
 
 **Resources.** A verl ``RayResourcePool`` makes one placement-group bundle per process,
@@ -35,17 +35,11 @@ import ray
 import torch
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, create_colocated_worker_cls_fused
 
-from async_rl.workers.verl_workers import (
-    DEFAULT_CALL_TIMEOUT_S,
-    ActorWorker,
-    CriticWorker,
-    RemoteActor,
-    RemoteCritic,
-    RemoteSapo,
-    RolloutWorker,
-    SapoWorker,
-    TimedRayWorkerGroup,
-)
+from async_rl.workers.calls import DEFAULT_CALL_TIMEOUT_S, TimedRayWorkerGroup
+from async_rl.workers.remote import RemoteActor, RemoteCritic, RemoteSapo
+from async_rl.workers.rollout_worker import RolloutWorker
+from async_rl.workers.sapo_worker import SapoWorker
+from async_rl.workers.train_workers import ActorWorker, CriticWorker
 
 PLACEMENTS = ("colocated", "disaggregated")
 # what runs in the "actor" role: the policy alone, or SAPO's single backbone (policy + V + Q, spec §5)

@@ -1,7 +1,7 @@
 """Actor and critic roles: a model, an optimizer (through the engine) and the algorithm calls.
 
 These classes hold no Ray or scheduling logic: the driver uses them in-process (deterministic mode) and
-the verl ``Worker`` classes in :mod:`async_rl.workers.verl_workers` wrap them for Ray worker groups.
+the verl ``Worker`` classes in :mod:`async_rl.workers.train_workers` wrap them for Ray worker groups.
 Losses are built as *local sums* and divided by counts summed over the data-parallel group
 (:meth:`TrainEngine.global_denominator`), so two workers on half batches give the full-batch gradient.
 """
@@ -20,7 +20,9 @@ from async_rl.algos import (
     terminal_ranking_loss,
     values_at_last_model_token,
 )
+from async_rl.algos.metrics import mismatch_metrics, mismatch_sums
 from async_rl.config import POLICY_LOSSES
+from async_rl.engine import dist
 from async_rl.engine.base import GlobalDenominator, OptimizerConfig
 from async_rl.engine.fsdp import FSDPEngine
 from async_rl.engine.microbatch import MicroBatchPlan
@@ -107,7 +109,8 @@ class ActorRole:
         if loss_mode not in POLICY_LOSSES:
             raise ValueError(f"unknown policy loss {loss_mode!r}; valid: {', '.join(POLICY_LOSSES)}")
         loss_fn = get_policy_loss_fn(loss_mode)
-        # verl's normalisers set to 1 make every registered loss return its local sum (of trajectory token
+        # clip_ratio_c (dual clip) is read only by verl's ``vanilla`` loss, the ablation; ppo_clip (Eq. 1), dis and
+        # dis_clip have no dual clip. verl's normalisers set to 1 make every registered loss return its local sum (of trajectory token
         # means, or of tokens); the engine divides by the count summed over all ranks, once per step, so
         # micro-batches and data-parallel shards add up to the one-batch loss exactly.
         config = OmegaConf.create({
@@ -119,6 +122,7 @@ class ActorRole:
         denominator = self.engine.global_denominator(loss_normaliser_count(batch["response_mask"], loss_agg_mode))
         totals: dict[str, float] = {}
         loss_total = 0.0
+        gap: dict[str, torch.Tensor] = {}
         for rows in _micro_batches(batch, self.micro_batching):
             mb = _select(batch, rows)
             ids, attn, T = model_inputs(mb)
@@ -126,6 +130,11 @@ class ActorRole:
                                                   attn.to(self.engine.device), T, self.temperature,
                                                   self.banned_token_ids, chunk_tokens=self.logits_chunk_tokens)
             device = log_prob.device
+            if "current_version_mask" in mb:  # engine-vs-trainer gap before this step's update (docs/metrics.md)
+                for key, value in mismatch_sums(mb["behaviour_log_probs"], log_prob.detach().cpu(),
+                                                mb["response_mask"], mb["current_version_mask"],
+                                                dis_low, dis_high).items():
+                    gap[key] = gap.get(key, 0.0) + value
             loss_sum, metrics = loss_fn(
                 old_log_prob=mb["behaviour_log_probs"].to(device), log_prob=log_prob,
                 advantages=advantages[rows].to(device), response_mask=mb["response_mask"].to(device),
@@ -136,6 +145,8 @@ class ActorRole:
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + weight * float(value)
         grad_norm = self.engine.step()
+        if gap:
+            totals.update(mismatch_metrics({k: float(self.engine.global_denominator(v).value) for k, v in gap.items()}))
         return {"actor/pg_loss": loss_total, "actor/grad_norm": grad_norm, **totals}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -176,12 +187,15 @@ class CriticRole:
         return torch.cat(out) * batch["response_attention"]
 
     def _ranking_gradient(self, batch, plan, ranking) -> tuple[torch.Tensor, float]:
-        """``(g (bs,), L_rank)`` with ``g = ∂L_rank/∂V(s_{i,T_i})`` at the current weights.
+        """``(g (bs,), L_rank)`` with ``g = ∂L_rank/∂V(s_{i,T_i})`` for this rank's rows at the current weights,
+        where ``L_rank`` is Eq. 11 over the **global** batch: every mixed pair of every rank, ``1/|P|``.
 
-        The ranking loss (Eq. 11) couples pairs of a group, which a token budget may put in different
-        micro-batches. Its gradient w.r.t. the weights is ``Σ_i g_i ∂V_i/∂φ``, and ``g`` depends only on the
-        terminal values, so one no-grad pass gives ``g`` and each micro-batch then back-propagates
-        ``Σ_{i in mb} g_i V_i``: the same gradient as the one-batch loss, for one extra forward pass."""
+        The ranking loss couples pairs of a group, which a token budget may put in different micro-batches
+        and the data-parallel dispatch in different ranks. Its gradient w.r.t. the weights is
+        ``Σ_i g_i ∂V_i/∂φ`` and ``g`` depends only on the terminal values, so one no-grad pass gives the local
+        terminal values, an all-gather gives everyone's (with scores and group ids), and each micro-batch then
+        back-propagates ``Σ_{i in mb} g_i V_i``. The engine sums gradients over ranks, so the result is the
+        one-batch, one-rank gradient exactly, for one extra forward pass."""
         with torch.no_grad():
             terminal = torch.cat([
                 values_at_last_model_token(self._values(_select(batch, rows)).cpu(),
@@ -190,10 +204,15 @@ class CriticRole:
         order = torch.cat(list(plan))
         terminal_by_row = torch.empty_like(terminal)
         terminal_by_row[order] = terminal
-        leaf = terminal_by_row.clone().requires_grad_(True)
-        rank, _ = terminal_ranking_loss(leaf, ranking["scores"].cpu(), ranking["group_ids"], ranking["margin"])
+        local = (terminal_by_row.tolist(), ranking["scores"].cpu().tolist(), list(ranking["group_ids"]))
+        shards = dist.all_gather_objects(local)
+        start = sum(len(s[0]) for s in shards[:dist.get_rank()])
+        leaf = torch.tensor([v for s in shards for v in s[0]], dtype=terminal.dtype).requires_grad_(True)
+        scores = torch.tensor([r for s in shards for r in s[1]], dtype=ranking["scores"].dtype)
+        group_ids = [g for s in shards for g in s[2]]
+        rank, _ = terminal_ranking_loss(leaf, scores, group_ids, ranking["margin"])
         (grad,) = torch.autograd.grad(rank, leaf)
-        return grad.detach(), float(rank.detach())
+        return grad.detach()[start:start + len(local[0])], float(rank.detach())
 
     def update(
         self,
@@ -205,7 +224,9 @@ class CriticRole:
         ranking: Optional[dict[str, Any]] = None,
     ) -> dict[str, float]:
         """One optimizer step of the value loss, plus ``α L_rank`` (Eq. 11) when
-        ``ranking = {"scores", "group_ids", "margin", "coef"}`` is given (Li2SAO bootstrap).
+        ``ranking = {"scores", "group_ids", "margin", "coef"}`` is given (Li2SAO bootstrap). Under data
+        parallelism ``L_rank`` is over the global batch's pairs (see :meth:`_ranking_gradient`) and
+        ``li2sao/rank_loss`` is that global value on every rank.
 
         ``clip_eps=ε_v`` gives the clipped loss of Eq. 10 around ``old_values`` (the bootstrap's residual
         loss); ``clip_eps=None`` gives Eq. 5's plain squared error (absolute returns: LiSAO, PPO, Li2SAO
@@ -217,7 +238,7 @@ class CriticRole:
         clipfrac = 0.0
         plan = _micro_batches(batch, self.micro_batching)
         rank_grad = None
-        if ranking is not None and len(plan) > 1:
+        if ranking is not None and (len(plan) > 1 or self.engine.world_size > 1):
             rank_grad, rank_total = self._ranking_gradient(batch, plan, ranking)
         for rows in plan:
             mb = _select(batch, rows)

@@ -1,0 +1,144 @@
+"""The verl ``RolloutReplica`` classes and the engine lookup: the top of ``rollout/`` (it imports the servers in
+``replica``, ``hybrid`` and ``vllm_engine``; none of them imports this module)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Optional
+
+import ray
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
+
+from async_rl.rollout.hybrid import HFHybridServer
+from async_rl.rollout.replica import ENGINE_NAMES, HFRolloutServer, ReplicaBrokenError
+from async_rl.rollout.vllm_engine import VLLMReplica, require_vllm
+
+
+class HFReplica(RolloutReplica):
+    """verl ``RolloutReplica`` for the transformers engine (registered as ``"hf"``).
+
+    ``rollout.mode=standalone`` (:meth:`init_standalone`): verl's version asks for GPU bundles and a
+    ``CheckpointEngineWorker``; we override it to launch one :class:`HFRolloutServer` actor with ``num_cpus``
+    CPUs (and one GPU when ``device="cuda"``), because this engine loads weights in its own process.
+    ``rollout.mode=hybrid`` (verl's :meth:`init_hybrid`, unchanged): the engine is the RolloutWorker fused into
+    a train rank's process and an :class:`~async_rl.rollout.hybrid.HFHybridServer` serves it. Tensor/pipeline/data parallelism inside a replica is not
+    supported (one process per replica): ``config.tensor_model_parallel_size`` etc. must be 1.
+    """
+
+    def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 1, *, device: str = "cpu",
+                 dtype: Optional[str] = None, torch_threads: Optional[int] = 1, chunk_tokens: int = 4,
+                 num_cpus: float = 1.0, initial_version: int = 0, name_prefix: str = "async_rl",
+                 start_timeout_s: float = 600.0) -> None:
+        super().__init__(replica_rank, config, model_config, gpus_per_node=max(1, gpus_per_node))
+        if self.world_size != 1:
+            raise ValueError(f"rollout.engine=hf runs one process per replica: set tensor/data/pipeline parallel "
+                             f"sizes to 1 (got world size {self.world_size}); use more replicas instead")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"rollout device must be cpu or cuda, got {device!r}")
+        self.device = device
+        self.dtype = dtype
+        self.torch_threads = torch_threads
+        self.chunk_tokens = chunk_tokens
+        self.num_cpus = num_cpus
+        self.initial_version = initial_version
+        self.name_prefix = name_prefix
+        self.start_timeout_s = start_timeout_s
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    async def init_standalone(self) -> None:
+        self.rollout_mode = RolloutMode.STANDALONE
+        await self.launch_servers()
+
+    # init_hybrid(worker_group) is verl's, unchanged: it keeps this replica's slice of the fused train workers in
+    # self.workers and calls launch_servers, which then starts an HFHybridServer in front of them.
+
+    async def launch_servers(self) -> None:
+        if self.rollout_mode == RolloutMode.HYBRID:
+            await self._launch_hybrid_server()
+            return
+        model_path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path")
+        server_cls = ray.remote(HFRolloutServer)
+        server = server_cls.options(
+            name=f"{self.name_prefix}_hf_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
+            max_concurrency=self.max_concurrency, num_cpus=self.num_cpus,
+            num_gpus=1 if self.device == "cuda" else 0,
+        ).remote(str(model_path), replica_rank=self.replica_rank, device=self.device, dtype=self.dtype,
+                 torch_threads=self.torch_threads, chunk_tokens=self.chunk_tokens,
+                 initial_version=self.initial_version,
+                 checkpoint_backend=self.config.checkpoint_engine.backend,
+                 checkpoint_bucket_megabytes=self.config.checkpoint_engine.update_weights_bucket_megabytes)
+        try:  # constructor errors (bad model path, ...) surface here; an unschedulable actor must not hang us
+            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(
+                f"hf replica {self.replica_rank} did not start within {self.start_timeout_s:g} s (it needs "
+                f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; Ray has "
+                f"{ray.available_resources()}); start Ray with more CPUs or lower rollout.cpus_per_replica") from None
+        self.servers = [server]
+        self._server_handle = server
+        self.workers = [server]  # its own checkpoint-engine worker (verl's CheckpointEngineManager talks to it)
+
+    async def _launch_hybrid_server(self) -> None:
+        """``rollout.mode=hybrid``: one :class:`~async_rl.rollout.hybrid.HFHybridServer` (no CPU reserved, on the
+        train rank's node) in front of the RolloutWorker fused into that rank's process."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if len(self.workers) != 1:
+            raise ValueError(f"hybrid hf replica {self.replica_rank} runs on one train rank, got {len(self.workers)}")
+        worker = self.workers[0]
+        node = await worker.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id())
+        server = ray.remote(HFHybridServer).options(
+            name=f"{self.name_prefix}_hf_hybrid_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
+            max_concurrency=self.max_concurrency, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        ).remote(worker, replica_rank=self.replica_rank, chunk_tokens=self.chunk_tokens)
+        try:
+            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(f"hybrid hf replica {self.replica_rank} did not answer within "
+                               f"{self.start_timeout_s:g} s (its train rank is busy or gone)") from None
+        except ReplicaBrokenError as error:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(f"rollout.mode=hybrid: train rank {self.replica_rank} has no rollout engine to serve "
+                               f"({str(error).splitlines()[-1]}); build the train workers with "
+                               f"make_worker_groups('colocated', ...), which fuses a RolloutWorker into every "
+                               f"rank") from error
+        self.servers = [server]
+        self._server_handle = server
+
+    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
+        results = await asyncio.gather(*[s.update_weights.remote(published, version) for s in self.servers])
+        return results[0]
+
+
+def _load_hf() -> type[RolloutReplica]:
+    return HFReplica
+
+
+# async_rl.verl_plugin registers "hf" (lazily) whenever async_rl is imported or verl loads its plugins; this keeps
+# the name available even if that registration was bypassed
+if "hf" not in RolloutReplicaRegistry._registry:
+    RolloutReplicaRegistry.register("hf", _load_hf)
+
+
+def replica_class(engine: str) -> type[RolloutReplica]:
+    """verl's registry lookup with an install hint for engines that are not installed here."""
+    if engine not in ENGINE_NAMES:
+        raise ValueError(f"rollout.engine={engine!r}; valid choices: {', '.join(ENGINE_NAMES)}")
+    if engine == "vllm":  # our AsyncLLM server, not verl's vLLMReplica (docs/rollout.md, "vLLM")
+        require_vllm()
+        return VLLMReplica
+    try:
+        return RolloutReplicaRegistry.get(engine)
+    except (ImportError, ValueError) as error:  # verl's vllm shim raises ValueError("vllm version None ...")
+        raise RuntimeError(f"rollout.engine={engine} needs the {engine} package, which is not installed here "
+                           f"({error}); install the GPU profile with `make install-gpu ENGINE={engine}` on a CUDA "
+                           f"machine, or use rollout.engine=hf") from error
+
+
+__all__ = ["HFReplica", "replica_class"]
