@@ -29,6 +29,9 @@ from async_rl.driver.checkpoint import (SHARDS_SUFFIX, CheckpointError, list_che
 from async_rl.engine import FSDPEngine, OptimizerConfig, dist
 from async_rl.models.logprobs import response_token_logprobs
 
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
+
 REPO = Path(__file__).resolve().parents[1]
 RESPONSE_LEN, VOCAB = 5, 96
 # weight decay > 0: a spurious optimizer step at load time (torch initialising AdamW) would show
@@ -464,12 +467,14 @@ def test_two_rank_ray_run_killed_after_a_checkpoint_resumes_every_step_exactly_o
     assert state["learner"]["model_state"] == "sharded" and "actor_model" not in state["learner"]
     assert state["learner"]["train_world_size"] == 2 and state["learner"]["step"] == 2
     # the live requests on the replica are saved with their kept prefixes, for resubmission, each one an
-    # episode's request. The deterministic schedule always has some at the cut; the concurrent one, in real
-    # time, may have filled its buffer (16 = capacity) and have none live
+    # episode's request. How many are live at the cut depends on the replica process's timing (CI saw none
+    # under the deterministic schedule too: every request had already come back); the export/resubmit path
+    # itself is checked on a pool above
+    # (test_replica_requests_are_checkpointed_with_their_kept_prefix_and_resubmitted)
     live = state["rollout"]["engine"]
     assert {entry["request_id"] for entry in live} <= set(state["rollout"]["requests"])
-    if scheduler == "deterministic":
-        assert live
+    for entry in live:
+        assert len(entry["token_ids"]) == len(entry["logprobs"]) == len(entry["versions"])
 
     resumed = _cli(_overrides(tmp_path, "ray", f"trainer.scheduler={scheduler}", "trainer.resume=true"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
