@@ -25,16 +25,21 @@ def test_guard_warns_over_the_threshold_only():
     line = lines[0]
     assert line.startswith("WARNING: step 21: actor/ppo_kl 0.6800 > algorithm.kl_warn_threshold 0.1")
     assert "mean policy lag 3.50" in line
-    for hint in ("algorithm.actor_lr", "trainer.driver.staleness_cap", "dis_clip"):
+    for hint in ("algorithm.actor_lr", "trainer.driver.staleness_cap"):
         assert hint in line
     assert guard.warned_steps == [21]
-    assert "dis_kept_kl" not in line  # not a DIS loss: no kept-token KL to report
+    # not a DIS loss (a clipped one, e.g. GRPO): no kept-token KL to report, no DIS collapse to name
+    assert "dis_kept_kl" not in line and "DIS" not in line and "dis_clip" not in line
 
 
 def test_warning_reports_the_kept_token_kl_of_dis_losses():
     out = io.StringIO()
     KLGuard(0.1, stream=out).check(56, {"actor/ppo_kl": 0.169, "actor/dis_kept_kl": 0.011, "actor/updated": 1.0})
     assert "actor/dis_kept_kl 0.0110 on the tokens inside the DIS band" in out.getvalue()
+    line = out.getvalue()
+    for hint in ("the regime where DIS collapsed", "algorithm.actor_lr", "trainer.driver.staleness_cap",
+                 "algorithm.policy_loss=dis_clip"):
+        assert hint in line
 
 
 def test_guard_is_silent_without_an_actor_update_or_when_off():

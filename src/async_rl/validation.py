@@ -388,12 +388,18 @@ TRAINER_RULES: dict[str, Rule] = {
     "driver": Rule("mapping"),
 }
 
+# ``model.attn_implementation``: the attention kernels of the trained models (transformers' names), checked in
+# full (flash-attn installed, CUDA, bf16) by ``models.loading.check_attn_implementation``. sdpa is PyTorch's own
+# (CPU and GPU, any dtype); flash_attention_2 needs the optional flash-attn package, a CUDA GPU and half-precision
+# compute; eager is the reference implementation (slow, for debugging).
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+
 MODEL_RULES: dict[str, Rule] = {
     "dir": Rule("str", non_empty=True),
     "build_tiny": Rule("bool"),
     "hidden_size": Rule("int", ">= 8", optional=True),
     "num_layers": Rule("int", ">= 1", optional=True),
-    "attn_implementation": Rule("str", choices=("sdpa", "flash_attention_2", "eager")),  # models.loading
+    "attn_implementation": Rule("str", choices=ATTN_IMPLEMENTATIONS),
     "sft": Rule("mapping"),
     "sft.enabled": Rule("bool"),
     "sft.noise": Rule("float", "[0, 1]", optional=True),

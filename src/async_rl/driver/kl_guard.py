@@ -62,10 +62,15 @@ def warning_line(step: int, kl: float, threshold: float, metrics: dict, kept_thr
     lag = metrics.get("async/policy_lag/mean")
     lag_text = f", mean policy lag {lag:.2f}" if isinstance(lag, (int, float)) and math.isfinite(lag) else ""
     kept = metrics.get(KEPT_KL_METRIC)
-    if isinstance(kept, (int, float)) and math.isfinite(kept):  # DIS losses: the drift where gradient flows
+    dis_loss = isinstance(kept, (int, float)) and math.isfinite(kept)
+    if dis_loss:  # the drift where gradient flows
         lag_text += f", {KEPT_KL_METRIC} {kept:.4f} on the tokens inside the DIS band" + (
             f" > algorithm.kl_warn_kept_threshold {kept_threshold:g}" if kept_threshold else "")
-    return (f"WARNING: step {step}: actor/ppo_kl {kl:.4f} > algorithm.kl_warn_threshold {threshold:g}{lag_text}: "
-            "the trained policy is far from the one that sampled this batch, the regime where DIS collapsed "
-            "(docs/algorithms.md, Stability); try a lower algorithm.actor_lr, a smaller "
-            "trainer.driver.staleness_cap, or algorithm.policy_loss=dis_clip")
+    head = (f"WARNING: step {step}: actor/ppo_kl {kl:.4f} > algorithm.kl_warn_threshold {threshold:g}{lag_text}: "
+            "the trained policy is far from the one that sampled this batch")
+    if dis_loss:
+        return (head + ", the regime where DIS collapsed (docs/algorithms.md, Stability); try a lower "
+                "algorithm.actor_lr, a smaller trainer.driver.staleness_cap, or algorithm.policy_loss=dis_clip")
+    # clipped losses: the ratio is bounded, but steps this large were not measured to be safe
+    return (head + " (docs/algorithms.md, Stability); try a lower algorithm.actor_lr or a smaller "
+            "trainer.driver.staleness_cap")

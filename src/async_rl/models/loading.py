@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from async_rl.validation import ATTN_IMPLEMENTATIONS  # the choices are listed once, with the config rules
+
 _MAKE_TINY_HINT = (
     "Pass the path of a local model directory (it must contain config.json and tokenizer "
     "files). For tests, create a tiny one with `python -m async_rl.models.tiny --out DIR` "
@@ -21,10 +23,6 @@ _MAKE_TINY_HINT = (
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
-# ``model.attn_implementation``: the attention kernels of the trained models (transformers' names). sdpa is
-# PyTorch's own (CPU and GPU, any dtype); flash_attention_2 needs the optional flash-attn package, a CUDA GPU
-# and half-precision compute; eager is the reference implementation (slow, for debugging).
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 FLASH_ATTN_INSTALL = ("pip install flash-attn --no-build-isolation (a wheel must match your CUDA and torch; "
                       "see docs/engine.md)")
 
