@@ -67,7 +67,8 @@ def test_verls_manager_moves_sharded_actor_weights_into_replicas_mid_response(ra
         new = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in base.items()}
         actor.load_state_dict({"model": new})  # what a training step does; nothing reached the replicas
         prompt = [1, 2, 3, 4]
-        pool.add_requests([_request("p0/r0/turn0", prompt, 160, 5)])
+        response = 600  # long enough that the update lands mid-response on a loaded machine (1024 positions)
+        pool.add_requests([_request("p0/r0/turn0", prompt, response, 5)])
         server = pool.replicas[pool._live["p0/r0/turn0"].replica].servers[0]
         deadline = time.monotonic() + 60
         while len(ray.get(server.progress.remote()).get("p0/r0/turn0", {}).get("token_ids", [])) < 8:
@@ -88,7 +89,7 @@ def test_verls_manager_moves_sharded_actor_weights_into_replicas_mid_response(ra
     for mine, want in zip(got, reference.generate(fresh)):
         assert mine.token_ids == want.token_ids and mine.versions == [1] * 12
     cut = output.versions.index(1)
-    assert 8 <= cut < 160 and output.versions == [0] * cut + [1] * (160 - cut)
+    assert 8 <= cut < response and output.versions == [0] * cut + [1] * (response - cut)
     assert pool.counters["weight_updates"] == 1 and pool.policy_version == 1
     model = load_causal_lm(str(tiny_model), device="cpu")
     ids = torch.tensor([prompt + output.token_ids])

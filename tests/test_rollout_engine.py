@@ -237,7 +237,7 @@ def wait_until(condition, timeout=30.0):
 def test_update_from_another_thread_while_generate_runs(tiny_dir, engine):
     old_model = HFRolloutEngine(tiny_dir).model
     new_weights = perturbed_state_dict(engine.model)
-    num_tokens = 40
+    num_tokens = 200  # ~1 s of slowed decoding: the other thread acts mid-generation even on a loaded machine
     sampling = SamplingParams(temperature=1.0, max_new_tokens=num_tokens, ignore_eos=True)
     result = {}
     hook = slow_down_forward(engine.model)
@@ -267,7 +267,7 @@ def test_update_from_another_thread_while_generate_runs(tiny_dir, engine):
 
 def test_nonblocking_update_during_generate_is_applied_at_a_token_boundary(engine):
     new_weights = perturbed_state_dict(engine.model)
-    num_tokens = 30
+    num_tokens = 200  # ~1 s of slowed decoding: the update/abort lands mid-generation even on a loaded machine
     result = {}
     hook = slow_down_forward(engine.model)
     requests = make_requests(engine, SamplingParams(max_new_tokens=num_tokens, ignore_eos=True))
@@ -285,7 +285,7 @@ def test_nonblocking_update_during_generate_is_applied_at_a_token_boundary(engin
 
 
 def test_abort_from_another_thread_while_generate_runs(engine):
-    num_tokens = 30
+    num_tokens = 200  # ~1 s of slowed decoding: the update/abort lands mid-generation even on a loaded machine
     result = {}
     hook = slow_down_forward(engine.model)
     requests = make_requests(engine, SamplingParams(max_new_tokens=num_tokens, ignore_eos=True))

@@ -122,8 +122,9 @@ def test_tokens_between_an_update_and_its_publication_keep_the_old_version_and_e
     generator = torch.Generator().manual_seed(3)
     new = {k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in base.items()}
     prompt = [1, 2, 3, 4, 5]
+    response = 600  # long enough that a stalled test process still pauses it mid-response (1024 positions)
     try:
-        pool.add_requests([_request("p0/r0/turn0", prompt, max_new_tokens=160, seed=5)])
+        pool.add_requests([_request("p0/r0/turn0", prompt, max_new_tokens=response, seed=5)])
         _wait(lambda: len(ray.get(server.progress.remote()).get("p0/r0/turn0", {}).get("token_ids", [])) >= 8,
               what="8 tokens before the update")
         actor.load_state_dict({"model": new})  # the trainer's weights change; nothing is published yet
@@ -137,8 +138,8 @@ def test_tokens_between_an_update_and_its_publication_keep_the_old_version_and_e
     finally:
         groups.shutdown()
     cut = len(prefix)
-    assert 12 <= cut < 160 and output.token_ids[:cut] == prefix and len(output.token_ids) == 160
-    assert output.versions == [0] * cut + [1] * (160 - cut)
+    assert 12 <= cut < response and output.token_ids[:cut] == prefix and len(output.token_ids) == response
+    assert output.versions == [0] * cut + [1] * (response - cut)
     model = load_causal_lm(str(tiny_model), device="cpu")
     ids = torch.tensor([prompt + output.token_ids])
     behaviour, versions = torch.tensor(output.logprobs), torch.tensor(output.versions)
@@ -208,8 +209,8 @@ def test_a_dead_train_rank_fails_its_hybrid_replica_without_a_hang(ray_cluster, 
 
     groups, pool = _hybrid(tiny_model, health_check_s=0.2, health_timeout_s=5.0)
     try:
-        pool.add_requests([_request(f"p{i}/r0/turn0", [1, 2, 3], max_new_tokens=400, seed=i) for i in range(3)])
-        time.sleep(0.2)
+        # 1000 tokens each, and the kill right after the submission: still running when their rank dies
+        pool.add_requests([_request(f"p{i}/r0/turn0", [1, 2, 3], max_new_tokens=1000, seed=i) for i in range(3)])
         ray.kill(groups.process_groups[0].workers[0], no_restart=True)
         started = time.monotonic()
         with pytest.raises(ReplicaFailure, match=r"rollout replica 0 \(pid \d+\) failed: .*train worker failed"):

@@ -132,15 +132,16 @@ def test_replicas_stream_the_same_tokens_as_the_in_driver_engine_in_other_proces
 def test_least_outstanding_balancing_keeps_an_episode_on_its_replica(ray_cluster, tiny_model):
     pool = _pool(tiny_model, 2)
     try:
+        # 1000 tokens each (1024 positions): all six are still running when they are aborted below
         # four new episodes alternate over the two idle replicas: 0, 1, 0, 1
-        pool.add_requests([_request(f"p{i}/r0/turn0", [1, 2, 3], max_new_tokens=200) for i in range(4)])
+        pool.add_requests([_request(f"p{i}/r0/turn0", [1, 2, 3], max_new_tokens=1000) for i in range(4)])
         placed = {rid: live.replica for rid, live in pool._live.items()}
         assert [placed[f"p{i}/r0/turn0"] for i in range(4)] == [0, 1, 0, 1]
         # the next turn of p1/r0 follows its episode to replica 1 even though both replicas hold two requests
-        pool.add_requests([_request("p1/r0/turn1", [1, 2, 3, 9], max_new_tokens=200)])
+        pool.add_requests([_request("p1/r0/turn1", [1, 2, 3, 9], max_new_tokens=1000)])
         assert pool._live["p1/r0/turn1"].replica == 1
         # a new episode goes to the least loaded replica (0 holds 2, 1 holds 3)
-        pool.add_requests([_request("p9/r0/turn0", [1, 2], max_new_tokens=200)])
+        pool.add_requests([_request("p9/r0/turn0", [1, 2], max_new_tokens=1000)])
         assert pool._live["p9/r0/turn0"].replica == 0
         aborted = pool.abort()
         assert sorted(o.request_id for o in aborted) == sorted([*placed, "p1/r0/turn1", "p9/r0/turn0"])
@@ -175,8 +176,10 @@ def test_a_response_spanning_three_weight_versions_keeps_its_prefix_and_exact_be
     server = pool.replicas[0].servers[0]
     weights = {1: _perturbed(tiny_model, 1), 2: _perturbed(tiny_model, 2)}
     prompt = [1, 2, 3, 4, 5]
+    # long enough (the model holds 1024 positions) that a stalled test process still pauses it mid-response
+    RESPONSE = 600
     try:
-        pool.add_requests([_request("p0/r0/turn0", prompt, max_new_tokens=160, seed=5)])
+        pool.add_requests([_request("p0/r0/turn0", prompt, max_new_tokens=RESPONSE, seed=5)])
         prefixes = []
         for version in (1, 2):
             _wait_for_tokens(server, "p0/r0/turn0", at_least=(len(prefixes[-1]) if prefixes else 0) + 8)
@@ -188,14 +191,14 @@ def test_a_response_spanning_three_weight_versions_keeps_its_prefix_and_exact_be
         while output is None and time.monotonic() < deadline:
             done = pool.step()
             output = done[0] if done else None
-        assert output is not None and output.finish_reason == "length" and len(output.token_ids) == 160
+        assert output is not None and output.finish_reason == "length" and len(output.token_ids) == RESPONSE
     finally:
         pool.shutdown()
     first, second = len(prefixes[0]), len(prefixes[1])
-    assert 8 <= first < second < 160
+    assert 8 <= first < second < RESPONSE
     for prefix in prefixes:
         assert output.token_ids[:len(prefix)] == prefix  # kept, never regenerated
-    assert output.versions == [0] * first + [1] * (second - first) + [2] * (160 - second)
+    assert output.versions == [0] * first + [1] * (second - first) + [2] * (RESPONSE - second)
     assert pool.counters["resubmitted"] == 0 and pool.policy_version == 2
 
     # teacher forcing: log_softmax(logits / T) with T = 1 at every response position, under each version

@@ -133,22 +133,23 @@ def test_a_vllm_replica_streams_pauses_with_its_requests_kept_and_resumes(replic
     import ray
 
     server = replicas["stale"].servers[0]
+    RESPONSE = 480  # nearly max_model_len 512: a stalled test process still pauses it mid-response
     pool = _pool(replicas, "stale")
-    pool.add_requests([GenerationRequest("p", PROMPT, _sampling(300, seed=3))])
+    pool.add_requests([GenerationRequest("p", PROMPT, _sampling(RESPONSE, seed=3))])
     _wait_for_tokens(server, "p", 5)
     ray.get(server.abort_all_requests.remote())
     kept = ray.get(server.progress.remote())["p"]
     time.sleep(1.0)
     assert ray.get(server.progress.remote())["p"] == kept  # frozen
-    assert ray.get(server.ping.remote())["paused"] is True and 5 <= len(kept["token_ids"]) < 300
+    assert ray.get(server.ping.remote())["paused"] is True and 5 <= len(kept["token_ids"]) < RESPONSE
     ray.get(server.resume_generation.remote())
     outputs = []
     while not outputs:
         outputs = pool.step()
     [out] = outputs
-    assert out.finish_reason == "length" and len(out.token_ids) == 300
+    assert out.finish_reason == "length" and len(out.token_ids) == RESPONSE
     assert out.token_ids[:len(kept["token_ids"])] == kept["token_ids"]
-    assert out.logprobs[:len(kept["logprobs"])] == kept["logprobs"] and out.versions == [0] * 300
+    assert out.logprobs[:len(kept["logprobs"])] == kept["logprobs"] and out.versions == [0] * RESPONSE
 
 
 @pytest.mark.parametrize("mode", ["recompute", "stale"])
@@ -158,11 +159,12 @@ def test_a_response_spanning_an_update_keeps_its_prefix_and_its_logprobs_equal_t
     under v0; tokens of v1 match it under v1 on the full context (recompute) or on v0's KV of the prefix (stale);
     every 1e-4 in fp32. The two modes differ by far more than that on the v1 tokens."""
     temperature = 0.7
+    response = 400  # long enough that the update lands mid-response on a loaded machine (max_model_len 512)
     pool = _pool(replicas, mode)
     v0 = _perturbed(vllm_model, seed=0, scale=0.0)
     v1 = _perturbed(vllm_model, seed=11 if mode == "recompute" else 12)
     pool.update_weights(v0, 0)  # a fresh load of the checkpoint's own weights (reset after an earlier test)
-    pool.add_requests([GenerationRequest("u", PROMPT, _sampling(160, temperature=temperature, seed=5))])
+    pool.add_requests([GenerationRequest("u", PROMPT, _sampling(response, temperature=temperature, seed=5))])
     _wait_for_tokens(replicas[mode].servers[0], "u", 8)
     pool.update_weights(v1, 1)
     outputs = []
@@ -170,7 +172,7 @@ def test_a_response_spanning_an_update_keeps_its_prefix_and_its_logprobs_equal_t
         outputs = pool.step()
     [out] = outputs
     k = out.versions.index(1)
-    assert 8 <= k < 160 and out.versions == [0] * k + [1] * (160 - k) and out.finish_reason == "length"
+    assert 8 <= k < response and out.versions == [0] * k + [1] * (response - k) and out.finish_reason == "length"
     context = PROMPT + out.token_ids
     start = len(PROMPT)
     got = torch.tensor(out.logprobs, dtype=torch.float64)
@@ -179,7 +181,7 @@ def test_a_response_spanning_an_update_keeps_its_prefix_and_its_logprobs_equal_t
     full_v1 = _teacher_forced(vllm_model, v1, context, start, temperature)
     stale_v1 = _teacher_forced(vllm_model, v1, context, start, temperature, past_state=v0,
                                stale_until=start + k - 1)
-    assert len(stale_v1) == 160 - k
+    assert len(stale_v1) == response - k
     expected, other = (full_v1[k:], stale_v1) if mode == "recompute" else (stale_v1, full_v1[k:])
     assert (got[k:] - expected).abs().max() <= 1e-4
     assert (expected - other).abs().max() > 1e-3

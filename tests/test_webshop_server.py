@@ -133,7 +133,8 @@ def test_a_slow_drip_is_dropped_at_the_request_deadline(small_shop):
 
 
 def test_an_idle_connection_is_closed_after_the_read_timeout(small_shop):
-    with WebShopHTTPServer(small_shop, port=0, read_timeout_s=0.5) as server:
+    # 3 s: the open connection must stay long enough for a descheduled test thread to see it counted
+    with WebShopHTTPServer(small_shop, port=0, read_timeout_s=3.0) as server:
         port = int(server.url.rsplit(":", 1)[1])
         sock = socket.create_connection(("127.0.0.1", port), timeout=30)
         assert _wait_until(lambda: server.active_connections == 1, within_s=10)
