@@ -50,7 +50,7 @@ def phase_report(history: list[dict], algorithm: str, env_name: str,
     """``{"phases": {name: {"ran": bool, ...}}, "warnings": [str, ...]}`` for one run.
 
     Phases: ``reward`` (some batch had a reward > 0), ``actor_updates`` (optimizer steps of the policy),
-    ``multi_turn`` (mean turns >= 2 in some batch; multi-turn envs), ``tool_calls`` (ReTool: code executed in
+    ``multi_turn`` (mean turns > 1 in some batch, i.e. some episode took 2+ turns; multi-turn envs), ``tool_calls`` (ReTool: code executed in
     the sandbox), ``critic_updates`` (LiSAO/Li2SAO/PPO), ``li2sao_switch`` (the switch happened; says whether
     the gate opened on evidence or was forced at T_max), ``sapo_value_losses`` (SAPO's V and Q losses).
     """
@@ -62,7 +62,7 @@ def phase_report(history: list[dict], algorithm: str, env_name: str,
     phases["actor_updates"] = {"ran": sum(updates) > 0, "count": int(sum(updates))}
     if env_name in MULTI_TURN_ENVS:
         turns = _values(history, "train/num_turns/mean")
-        phases["multi_turn"] = {"ran": any(t >= 2 for t in turns), "max_mean_turns": max(turns, default=0.0)}
+        phases["multi_turn"] = {"ran": any(t > 1 for t in turns), "max_mean_turns": max(turns, default=0.0)}
     if env_name == "retool":
         calls = _values(history, "train/tool_calls")
         phases["tool_calls"] = {"ran": sum(calls) > 0, "count": int(sum(calls))}
