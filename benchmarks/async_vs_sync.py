@@ -56,7 +56,9 @@ def summarize(run: C.RunResult) -> dict:
         "sim_ticks_per_step": ticks / n if ticks is not None else None,
         "trainer_busy_ticks": run.trainer_busy_ticks if ticks is not None else None,
         "rollout_busy_ticks": run.rollout_busy_ticks if ticks is not None else None,
-        # deterministic: fractions of simulated ticks; concurrent: fractions of real time
+        # fractions of simulated ticks (deterministic runs only) and of real time (every run)
+        "sim_trainer_idle_frac": last.get("sim/trainer_idle_frac"),
+        "sim_rollout_idle_frac": last.get("sim/rollout_idle_frac"),
         "trainer_idle_frac": last["perf/trainer_idle_frac"],
         "rollout_idle_frac": last["perf/rollout_idle_frac"],
         "wall_s": run.wall_s,
@@ -194,15 +196,15 @@ def main(argv=None) -> dict:
     sweep = [{"update_ticks": 4, "sync_ticks": sync["sim_clock_ticks"], "async_ticks": main_rows[1]["sim_clock_ticks"],
               "sim_clock_speedup_sync_over_async": ratios[main_rows[1]["label"]]["sim_clock_speedup_sync_over_async"],
               "async_mean_policy_lag": main_rows[1]["mean_policy_lag"],
-              "async_trainer_idle_frac": main_rows[1]["trainer_idle_frac"],
-              "sync_trainer_idle_frac": sync["trainer_idle_frac"]}]
+              "async_sim_trainer_idle_frac": main_rows[1]["sim_trainer_idle_frac"],
+              "sync_sim_trainer_idle_frac": sync["sim_trainer_idle_frac"]}]
     for ut in (1, 16) if sweep_cfgs else ():
         s, a = runs[f"{SYNC} update_ticks={ut}"], runs[f"async in-flight B update_ticks={ut}"]
         sweep.append({"update_ticks": ut, "sync_ticks": s.clock_ticks, "async_ticks": a.clock_ticks,
                       "sim_clock_speedup_sync_over_async": s.clock_ticks / a.clock_ticks,
                       "async_mean_policy_lag": a.mean("async/policy_lag/mean"),
-                      "async_trainer_idle_frac": a.history[-1]["perf/trainer_idle_frac"],
-                      "sync_trainer_idle_frac": s.history[-1]["perf/trainer_idle_frac"]})
+                      "async_sim_trainer_idle_frac": a.history[-1]["sim/trainer_idle_frac"],
+                      "sync_sim_trainer_idle_frac": s.history[-1]["sim/trainer_idle_frac"]})
     sweep.sort(key=lambda s: s["update_ticks"])
 
     results = {
@@ -235,11 +237,13 @@ def main(argv=None) -> dict:
 
     print(f"\nGRPO B={B} n={N}, toy_keys, {steps} steps, seed {args.seed}")
     C.print_table([[r["label"], r["sim_clock_ticks"] if r["sim_clock_ticks"] is not None else "-",
-                    r["wall_s"], r["trainer_idle_frac"], r["rollout_idle_frac"], r["mean_policy_lag"],
+                    r["wall_s"], r["sim_trainer_idle_frac"], r["trainer_idle_frac"], r["rollout_idle_frac"],
+                    r["mean_policy_lag"],
                     r["off_policy_token_ratio"], r["dropped_stale"], r["accuracy_final_20pct"]] for r in main_rows],
-                  ["run", "sim ticks", "wall s", "trainer idle", "rollout idle", "mean lag", "off-policy", "dropped",
-                   "final acc"])
-    print("(idle fractions: of simulated ticks for deterministic runs, of real time for the concurrent run)\n")
+                  ["run", "sim ticks", "wall s", "trainer idle (sim)", "trainer idle (real)", "rollout idle (real)",
+                   "mean lag", "off-policy", "dropped", "final acc"])
+    print("(sim: fraction of simulated ticks, deterministic runs; real: fraction of wall time not training / "
+          "not generating, every run)\n")
     for label, r in ratios.items():
         sim = (f"simulated-clock speed-up sync/async = {r['sim_clock_speedup_sync_over_async']:.2f}x "
                f"(sync had reached step {r['sync_steps_done_when_async_finished']}/{steps}); "

@@ -46,6 +46,7 @@ def sample_batches(model: str, num_batches: int, seed: int) -> list:
     from async_rl.driver.build import RunSpec, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
+    from async_rl.driver.learner import StepResult
     from async_rl.envs.toy import make_toy_tasks
 
     # the gate can never open (T_min beyond the run): every batch is a bootstrap batch of groups of 4
@@ -60,7 +61,7 @@ def sample_batches(model: str, num_batches: int, seed: int) -> list:
     def record_only(trajectories):  # no actor or critic update: the next batches come from the same policy
         recorded.append(trajectories)
         driver.learner.step += 1
-        return {"actor/updated": 0.0}
+        return StepResult({"actor/updated": 0.0}, actor_updated=False)
 
     driver.learner.train_step = record_only
     driver.run()
@@ -74,7 +75,7 @@ def fit_and_measure(model: str, batches: list, heldout: int, freeze: bool, lr: f
 
     from async_rl.algos import (broadcast_to_tokens, divergence_mask, readiness_from_statistics,
                                 readiness_statistics, residual_critic_targets, values_at_last_model_token)
-    from async_rl.driver.trajectory import collate
+    from async_rl.driver.batch import collate
     from async_rl.engine.base import OptimizerConfig
     from async_rl.models.loading import load_causal_lm, load_tokenizer
     from async_rl.workers.roles import CriticRole

@@ -53,6 +53,8 @@ def summarize(run: C.RunResult, inflight: int, update_ticks: int) -> dict:
         "trajectories_generated": run.trajectories_finished,
         "sim_clock_ticks": run.clock_ticks,
         "sim_ticks_per_step": run.clock_ticks / n if run.clock_ticks is not None else None,  # concurrent: none
+        # of simulated ticks (deterministic runs; None on the concurrent scheduler), and of real time
+        "sim_trainer_idle_frac": run.history[-1].get("sim/trainer_idle_frac"),
         "trainer_idle_frac": run.history[-1].get("perf/trainer_idle_frac"),
         "mean_policy_lag": run.mean("async/policy_lag/mean"),
         "max_policy_lag": max(run.series("async/policy_lag/max") or [0.0]),
@@ -246,9 +248,9 @@ def main(argv=None) -> dict:
     print(f"\nB={B}, {steps} steps (= {steps * B} trained trajectories per run), toy_keys, seed {args.seed}")
     C.print_table([[r["label"], r["sim_ticks_per_step"], r["mean_policy_lag"], r["max_policy_lag"],
                     r["off_policy_token_ratio"], r["dropped_stale"], r["trajectories_generated"],
-                    r["trainer_idle_frac"], r["response_length_mean"], r["wall_s"], r["accuracy_final_20pct"]]
+                    r["sim_trainer_idle_frac"], r["response_length_mean"], r["wall_s"], r["accuracy_final_20pct"]]
                    for r in rows],
-                  ["run", "ticks/step", "mean lag", "max lag", "off-policy", "dropped", "generated", "trainer idle",
+                  ["run", "ticks/step", "mean lag", "max lag", "off-policy", "dropped", "generated", "trainer idle (sim)",
                    "resp len", "wall s", "final acc"])
     print()
     for cap, r in ratios.items():

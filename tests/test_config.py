@@ -1,4 +1,5 @@
-"""conf/algorithm/*.yaml mirror async_rl.config.AlgorithmConfig; bad values fail with the valid choices; every
+"""conf/algorithm/_base.yaml mirrors async_rl.config.AlgorithmConfig and each algorithm's YAML holds only its
+differences from it; bad values fail with the valid choices; every
 value of every config group is type- and range-checked with one line naming the key, the value and what is
 allowed (issue 13, item 7)."""
 
@@ -34,9 +35,40 @@ def _flat(d, prefix=""):
     return out
 
 
+def _composed_algorithm(name: str) -> dict:
+    """``algorithm=<name>`` as the CLI composes it (Hydra: _base.yaml, then the algorithm's own YAML)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return OmegaConf.to_container(compose(config_name="config", overrides=[f"algorithm={name}"]).algorithm)
+
+
+def _flat_values(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        out.update(_flat_values(v, prefix + k + ".") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def test_base_yaml_is_the_dataclass_defaults_value_for_value():
+    base = OmegaConf.to_container(OmegaConf.load(CONF / "algorithm" / "_base.yaml"))
+    defaults = dataclasses.asdict(AlgorithmConfig())
+    assert _flat(base) == _keys(AlgorithmConfig)
+    want = {k: list(v) if isinstance(v, tuple) else v for k, v in _flat_values(defaults).items()}
+    assert _flat_values(base) == want
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_yaml_mirrors_dataclass_and_validates(name):
-    data = OmegaConf.to_container(OmegaConf.load(CONF / "algorithm" / f"{name}.yaml"))
+def test_algorithm_yaml_holds_only_its_differences_and_composes_to_a_valid_config(name):
+    own = OmegaConf.to_container(OmegaConf.load(CONF / "algorithm" / f"{name}.yaml"))
+    assert own.pop("defaults") == ["_base", "_self_"]
+    base = _flat_values(OmegaConf.to_container(OmegaConf.load(CONF / "algorithm" / "_base.yaml")))
+    repeated = {k: v for k, v in _flat_values(own).items() if k != "name" and base.get(k) == v}
+    assert repeated == {}, f"{name}.yaml repeats _base.yaml's values: {repeated}"
+    assert set(_flat_values(own)) <= set(base)
+    data = _composed_algorithm(name)
     assert _flat(data) == _keys(AlgorithmConfig)
     cfg = algorithm_config_from_dict(data)
     assert cfg.name == name
@@ -44,11 +76,12 @@ def test_yaml_mirrors_dataclass_and_validates(name):
 
 
 def test_paper_defaults():
-    li2sao = algorithm_config_from_dict(OmegaConf.to_container(OmegaConf.load(CONF / "algorithm/li2sao.yaml")))
+    li2sao = algorithm_config_from_dict(_composed_algorithm("li2sao"))
     assert (li2sao.group_size, li2sao.train_batch_trajectories) == (8, 128)
     assert (li2sao.gate.beta, li2sao.gate.eta_e, li2sao.gate.eta_a) == (0.9, 0.2, 0.65)
     assert (li2sao.gate.patience, li2sao.gate.t_min, li2sao.gate.t_max) == (10, 60, 150)
-    lisao = algorithm_config_from_dict(OmegaConf.to_container(OmegaConf.load(CONF / "algorithm/lisao.yaml")))
+    assert (li2sao.clip.clip_ratio_low, li2sao.clip.clip_ratio_high) == (0.2, 0.28)  # DAPO (spec §2)
+    lisao = algorithm_config_from_dict(_composed_algorithm("lisao"))
     assert (lisao.group_size, lisao.critic_warmup_steps, lisao.critic_updates_per_batch) == (1, 10, 2)
     assert lisao.critic_lr == 5e-6 and (lisao.dis.low, lisao.dis.high) == (0.7, 6.0)
 

@@ -277,6 +277,19 @@ def test_overlong_penalty_is_applied_at_episode_end():
     assert play(10, True, max_context_tokens=20).reward == pytest.approx(1.0 - 1.0 / 3.0)
 
 
+def test_the_algorithm_decides_the_overlong_penalty_unless_the_limits_say(tiny_model):
+    """One default (AlgorithmConfig.overlong_penalty): a run built with the limits' None gets the algorithm's
+    setting; an explicit EpisodeLimits value wins; anything but a bool or None is refused."""
+    from async_rl.driver.episode import EpisodeLimits
+
+    for penalty in (True, False):
+        algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, overlong_penalty=penalty)
+        assert _build(tiny_model, algo, steps=1).rollout.limits.overlong_penalty is penalty
+    assert EpisodeLimits().overlong_penalty is None
+    with pytest.raises(ValueError, match="overlong_penalty='yes'"):
+        EpisodeLimits(overlong_penalty="yes")
+
+
 def test_synchronous_baseline_is_on_policy(tiny_model):
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
     driver = _build(tiny_model, algo, steps=3, synchronous=True)

@@ -2,7 +2,7 @@
 
 import torch
 
-from async_rl.config import AlgorithmConfig
+from async_rl.config import AlgorithmConfig, GateConfig
 from async_rl.driver.learner import Learner
 from async_rl.driver.trajectory import Segment, Trajectory
 
@@ -41,7 +41,7 @@ def test_lisao_critic_fits_absolute_returns_with_eq5_and_actor_uses_eq1_aggregat
                           policy_loss="dis", critic_updates_per_batch=2)
     actor, critic = RecordingActor(), RecordingCritic()
     learner = Learner(cfg, actor, critic, pad_token_id=0)
-    metrics = learner.train_step([_traj(0, "a", 1.0), _traj(1, "b", 0.0)])
+    metrics = learner.train_step([_traj(0, "a", 1.0), _traj(1, "b", 0.0)]).metrics
     assert [c["clip_eps"] for c in critic.calls] == [None, None]  # Eq. 5, twice (K = 2)
     assert all(c["ranking"] is None for c in critic.calls)
     assert actor.calls[0]["loss_mode"] == "dis" and actor.calls[0]["loss_agg_mode"] == "seq-mean-token-mean"
@@ -67,7 +67,7 @@ def test_li2sao_bootstrap_keeps_eq10_and_ranking_and_logs_the_gate_every_step():
     # group g0 mixed (1, 0), group g1 all-equal (dropped from the critic)
     batch = [_traj(0, "g0", 1.0, group_size=2), _traj(1, "g0", 0.0, group_size=2),
              _traj(2, "g1", 1.0, group_size=2), _traj(3, "g1", 1.0, group_size=2)]
-    metrics = learner.train_step(batch)
+    metrics = learner.train_step(batch).metrics
     assert critic.calls[0]["clip_eps"] == 0.2 and critic.calls[0]["ranking"] is not None
     assert actor.calls[0]["loss_mode"] == "dis_clip"
     for key in ("li2sao/ema_explained_var", "li2sao/ema_rank_acc", "li2sao/gate_counter", "li2sao/eta_e",
@@ -86,3 +86,26 @@ def test_grpo_uses_eq1_clip_without_dual_clip():
     Learner(cfg, actor, None, pad_token_id=0).train_step([_traj(0, "g", 1.0, 1, 2), _traj(1, "g", 0.0, 3, 2)])
     assert actor.calls[0]["loss_mode"] == "ppo_clip"
     assert actor.calls[0]["loss_agg_mode"] == "seq-mean-token-mean"
+
+
+def test_train_step_reports_publication_and_the_gate_as_fields_not_metrics():
+    """The driver acts on StepResult's fields: LiSAO's warm-up step does not update the actor (nothing to
+    publish); a Li2SAO step whose gate opens says so once, and the metric for the plots matches it."""
+    warm = AlgorithmConfig(name="lisao", group_size=1, train_batch_trajectories=2, use_critic=True,
+                           policy_loss="dis", critic_warmup_steps=1)
+    learner = Learner(warm, RecordingActor(), RecordingCritic(), pad_token_id=0)
+    first = learner.train_step([_traj(0, "a", 1.0), _traj(1, "b", 0.0)])
+    second = learner.train_step([_traj(0, "a", 1.0), _traj(1, "b", 0.0)])
+    assert (first.actor_updated, second.actor_updated) == (False, True)
+    assert (first.metrics["actor/updated"], second.metrics["actor/updated"]) == (0.0, 1.0)
+    assert learner.policy_version == 1 and not first.gate_opened and not second.gate_opened
+
+    # no evidence here (e_k = 0): the gate is forced open at T_max
+    gated = AlgorithmConfig(name="li2sao", group_size=2, train_batch_trajectories=4, use_critic=True,
+                            policy_loss="dis_clip", critic_updates_per_batch=1, gate=GateConfig(t_min=1, t_max=2))
+    learner = Learner(gated, RecordingActor(), RecordingCritic(), pad_token_id=0)
+    batch = [_traj(0, "g0", 1.0, group_size=2), _traj(1, "g0", 0.0, group_size=2),
+             _traj(2, "g1", 1.0, group_size=2), _traj(3, "g1", 0.0, group_size=2)]
+    results = [learner.train_step(batch) for _ in range(2)]
+    assert [r.gate_opened for r in results] == [False, True]
+    assert [r.metrics.get("li2sao/gate_opened") for r in results] == [None, 1.0]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from async_rl.algos.metrics import explained_variance, policy_lag_stats
-from async_rl.driver.trajectory import Segment, Trajectory, collate
+from async_rl.driver.batch import collate
+from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.plots import (
     ALGORITHM_PANELS,
     PASS_AT_K_TITLE,

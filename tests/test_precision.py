@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from async_rl.driver.trajectory import Segment, Trajectory, collate
+from async_rl.driver.batch import collate
+from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.engine import FSDPEngine, MicroBatchPlan, OptimizerConfig, TrainingSettings, dist
 from async_rl.engine.precision import bf16_supported
 from async_rl.models.critic import CriticModel

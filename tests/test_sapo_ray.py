@@ -198,7 +198,7 @@ def test_two_rank_sapo_run_matches_a_local_step_and_trains(tmp_path, ray_session
                     temperature=spec.temperature, micro_batch_size=spec.micro_batch_size, kl_coef=algo.sapo_kl_coef,
                     **training.role_kwargs())
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    local = Learner(algo, role, None, pad_token_id=pad).train_step(batches[0])
+    local = Learner(algo, role, None, pad_token_id=pad).train_step(batches[0]).metrics
     assert len(batches[0]) == 5
     for key in EXACT_METRICS:
         assert history[0][key] == pytest.approx(local[key], rel=1e-4, abs=1e-7), key

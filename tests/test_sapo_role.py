@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from async_rl.algos.sapo import ppo_clip_token_loss, restricted_entropy, turn_value_loss
-from async_rl.driver.trajectory import Segment, Trajectory, collate
+from async_rl.driver.batch import collate, turn_tensors
+from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.engine.base import OptimizerConfig
 from async_rl.models.loading import load_tokenizer
 from async_rl.models.tiny import make_tiny_model
@@ -17,7 +18,6 @@ from async_rl.workers.sapo import (
     SapoRole,
     default_reserved_ids,
     resolve_reserved_ids,
-    turn_tensors,
 )
 
 TAU_V = 5.0

@@ -20,7 +20,8 @@ import torch
 
 import ray  # noqa: E402  (a hard dependency: a broken Ray must fail, not skip)
 
-from async_rl.driver.trajectory import Segment, Trajectory, collate  # noqa: E402
+from async_rl.driver.batch import collate  # noqa: E402
+from async_rl.driver.trajectory import Segment, Trajectory  # noqa: E402
 from async_rl.engine.base import OptimizerConfig  # noqa: E402
 from async_rl.models.loading import load_causal_lm  # noqa: E402
 from async_rl.models.tiny import make_tiny_model  # noqa: E402

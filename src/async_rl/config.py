@@ -1,7 +1,8 @@
 """Algorithm hyperparameters: each defined once, with its default (the paper's value) and meaning.
 
-``conf/algorithm/<name>.yaml`` mirrors these dataclasses field for field (a test checks it), so every
-value is a Hydra override: ``algorithm=li2sao algorithm.gate.t_min=30``. Spec sections are cited per field.
+``conf/algorithm/_base.yaml`` mirrors these dataclasses field for field and value for value, and each
+``conf/algorithm/<name>.yaml`` holds only its differences from it (tests check both), so every value is a Hydra
+override: ``algorithm=li2sao algorithm.gate.t_min=30``. Spec sections are cited per field.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from async_rl.algos.policy import LOSS_AGG_MODES
+from async_rl.algos.dis import DIS_HIGH, DIS_LOW
+from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW, LOSS_AGG_MODES
 from async_rl.validation import ConfigError, check_dataclass, dataclass_from_mapping
 
 ALGORITHMS = ("grpo", "lisao", "li2sao", "ppo", "sapo")
@@ -46,14 +48,14 @@ ALGORITHM_RANGES = {
 
 @dataclass
 class ClipConfig:
-    clip_ratio_low: float = 0.2  # ε_low of the clipped objective (DAPO, spec §2)
-    clip_ratio_high: float = 0.28  # ε_high of the clipped objective (DAPO, spec §2)
+    clip_ratio_low: float = CLIP_LOW  # ε_low of the clipped objective (DAPO, spec §2: 0.2)
+    clip_ratio_high: float = CLIP_HIGH  # ε_high of the clipped objective (DAPO, spec §2: 0.28)
 
 
 @dataclass
 class DISConfig:
-    low: float = 0.7  # 1-ε_l: tokens with ratio at or below get zero weight (spec §3)
-    high: float = 6.0  # 1+ε_h: tokens with ratio at or above get zero weight (spec §3)
+    low: float = DIS_LOW  # 1-ε_l: tokens with ratio at or below get zero weight (spec §3: 0.7)
+    high: float = DIS_HIGH  # 1+ε_h: tokens with ratio at or above get zero weight (spec §3: 6.0)
 
 
 @dataclass

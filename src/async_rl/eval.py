@@ -683,8 +683,9 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=max_new_tokens,
                               stop_token_ids=stop_ids, banned_token_ids=banned,
                               stop_strings=tuple(env_cfg.get("stop_strings") or ()))
+    # the task's own reward, unshaped: no overlong penalty in evaluation
     limits = EpisodeLimits(max_turns=max_turns, max_response_tokens=max_response_tokens, env_timeout_s=env_timeout_s,
-                           max_context_tokens=engine.max_positions)
+                           overlong_penalty=False, max_context_tokens=engine.max_positions)
 
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

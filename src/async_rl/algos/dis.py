@@ -23,7 +23,11 @@ from async_rl.algos.policy import aggregate_loss
 _LOG_RATIO_BOUND = 20.0
 
 
-def dis_mask(log_ratio: torch.Tensor, low: float = 0.7, high: float = 6.0) -> torch.Tensor:
+# the DIS interval (1-ε_l, 1+ε_h) (spec §3): the one place these defaults are written
+DIS_LOW, DIS_HIGH = 0.7, 6.0
+
+
+def dis_mask(log_ratio: torch.Tensor, low: float = DIS_LOW, high: float = DIS_HIGH) -> torch.Tensor:
     """1 where ``low < exp(log_ratio) < high``; ``(bs, T)`` float."""
     ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
     return ((ratio > low) & (ratio < high)).to(log_ratio.dtype)
@@ -34,8 +38,8 @@ def dis_policy_loss(
     behaviour_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    low: float = 0.7,
-    high: float = 6.0,
+    low: float = DIS_LOW,
+    high: float = DIS_HIGH,
     clip_low: float | None = None,
     clip_high: float | None = None,
     loss_agg_mode: str = "seq-mean-token-mean",

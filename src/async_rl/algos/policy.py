@@ -68,13 +68,17 @@ def loss_normaliser_count(mask: torch.Tensor, loss_agg_mode: str = "seq-mean-tok
     return (m.sum(dim=-1) > 0).to(torch.float32).sum()
 
 
+# DAPO's asymmetric clip ε_low, ε_high (spec §2): the one place these defaults are written
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+
+
 def clipped_policy_loss(
     log_prob: torch.Tensor,
     behaviour_log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    clip_low: float = CLIP_LOW,
+    clip_high: float = CLIP_HIGH,
     loss_agg_mode: str = "seq-mean-token-mean",
     loss_normaliser: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -105,6 +105,8 @@ def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Lea
         engine.update_weights(actor.export_weights(), 0)
     if engine.max_positions is not None and spec.limits.max_context_tokens is None:
         spec.limits = dataclasses.replace(spec.limits, max_context_tokens=int(engine.max_positions))
+    if spec.limits.overlong_penalty is None:  # the algorithm's setting is the default (AlgorithmConfig)
+        spec.limits = dataclasses.replace(spec.limits, overlong_penalty=algo.overlong_penalty)
     formatter = ChatFormatter(tokenizer)
     end_id = formatter.end_token_id
     sampling = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=spec.max_new_tokens,

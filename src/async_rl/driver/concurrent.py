@@ -31,19 +31,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
-from async_rl.driver.buffer import TrajectoryBuffer
-from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, write_checkpoint
-from async_rl.driver.driver import (
-    DriverConfig,
-    RunStats,
-    choose_prefetched_job,
-    load_run_state,
-    run_state,
-    take_last_bootstrap_batch,
-    weights_for_engine,
-)
+from async_rl.driver.core import DriverConfig, RunCore, SwitchPhase
 from async_rl.driver.learner import Learner
 from async_rl.driver.rollout_manager import RolloutManager
 from async_rl.driver.trajectory import Trajectory
@@ -53,41 +43,23 @@ class RolloutThreadError(RuntimeError):
     """The rollout thread failed; the message carries its traceback."""
 
 
-class ConcurrentDriver:
+class ConcurrentDriver(RunCore):
     def __init__(self, cfg: DriverConfig, learner: Learner, rollout: RolloutManager, *,
                  on_step: Optional[Callable[[dict], None]] = None, wait_timeout_s: float = 600.0,
                  staleness_aware: bool = True, checkpoint_dir: Optional[str | Path] = None):
-        self.cfg = cfg
-        self.learner = learner
-        self.rollout = rollout
-        self.batch_size = learner.cfg.train_batch_trajectories
-        cfg.validate(self.batch_size)
         if cfg.synchronous:
             raise ValueError("the concurrent scheduler is asynchronous; use scheduler=deterministic for synchronous")
-        self.buffer = TrajectoryBuffer(cfg.buffer_capacity or 4 * self.batch_size)
-        self.max_inflight = cfg.max_inflight_trajectories or 2 * self.batch_size
-        self.rollout.group_size = learner.cfg.group_size
+        super().__init__(cfg, learner, rollout, on_step=on_step, checkpoint_dir=checkpoint_dir)
         self.rollout.wait_for_env = False  # real time: env calls are collected as they finish, none waited out
-        self.on_step = on_step
         self.wait_timeout_s = wait_timeout_s
-        self.history: list[dict] = []
-        self.stats = RunStats()
-        self.switch_state = "none"
-        self.kept_groups: set[str] = set()
-        self._last_bootstrap = False
-        self._lock = threading.Lock()  # guards rollout manager state and switch_state
+        self._lock = threading.Lock()  # guards rollout manager state and the switch phase
         self._ready = threading.Condition()  # guards the buffer; notified when trajectories arrive
         self._stop = threading.Event()
         self._error: Optional[str] = None
-        self._rollout_busy_s = 0.0
-        self._trainer_wait_s = 0.0
         self.staleness_aware = staleness_aware  # admission + stale aborts (False: the loop without them)
         self._training_batch = 0  # trajectories taken by the trainer and not yet published
         self.aborted_stale = 0  # live episodes aborted because their oldest token already exceeded the cap
         self.stale_wasted_tokens = 0
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.on_checkpoint: Optional[Callable[[Path], None]] = None  # called with each checkpoint written
-        self.resumed_from: Optional[Path] = None
 
     # ------------------------------------------------------------------ rollout thread
     def _rollout_loop(self) -> None:
@@ -96,10 +68,9 @@ class ConcurrentDriver:
                 started = time.perf_counter()
                 with self._lock:
                     finished: list[Trajectory] = []
-                    # Li2SAO switch: nothing launches while the kept job drains, nor once it has ("drained")
-                    # until the trainer has published the held version and moved on to "done"; the state
-                    # is read under _lock, so this is an ordering, not a race for the lock
-                    if self.switch_state not in ("draining", "drained"):
+                    # Li2SAO switch: the phase is read under _lock, so holding launches is an ordering, not a
+                    # race for the lock
+                    if not self.launch_held:
                         with self._ready:
                             while (self.rollout.inflight_trajectories + self.rollout.group_size <= self.max_inflight
                                    # trajectories a launch already finished (e.g. an env that failed
@@ -116,14 +87,10 @@ class ConcurrentDriver:
                         # switch never misses one in transit (lock order: _lock, then _ready)
                         with self._ready:
                             for traj in finished:
-                                self.stats.trajectories_finished += 1
-                                if self.switch_state == "draining" and traj.group_id not in self.kept_groups:
-                                    self.buffer.counters.discarded += 1
-                                    continue
-                                self.buffer.add(traj)
+                                self.intake(traj)
                             self._ready.notify_all()
                 if busy:
-                    self._rollout_busy_s += time.perf_counter() - started
+                    self.time.rollout_busy_s += time.perf_counter() - started
                 else:
                     time.sleep(0.005)  # nothing to do: buffer full or draining
         except BaseException:  # surfaced to the trainer, never swallowed
@@ -148,17 +115,14 @@ class ConcurrentDriver:
             return
         version, cap = self.learner.policy_version, self.cfg.staleness_cap
         with self._lock:
-            if self.switch_state == "draining":
+            if self.switch is SwitchPhase.DRAINING:
                 return  # the Li2SAO switch decides about every live group itself
-            stale = set()
-            for episode in self.rollout.episodes.values():
-                versions = [v for seg in episode.trajectory.segments if seg.kind == "model" for v in seg.versions]
-                if versions and version - min(versions) > cap:
-                    stale.add(episode.trajectory.group_id)
+            stale = {ep.trajectory.group_id for ep in self.rollout.episodes.values()
+                     if ep.trajectory.max_lag(version) > cap}
             if not stale:
                 return
-            wasted = sum(len(seg.token_ids) for ep in self.rollout.episodes.values()
-                         if ep.trajectory.group_id in stale for seg in ep.trajectory.segments if seg.kind == "model")
+            wasted = sum(ep.trajectory.num_model_tokens for ep in self.rollout.episodes.values()
+                         if ep.trajectory.group_id in stale)
             keep = set(self.rollout.live_group_ids()) - stale
             with self._ready:
                 self.aborted_stale += self.rollout.discard_except(keep)
@@ -169,52 +133,27 @@ class ConcurrentDriver:
     # ------------------------------------------------------------------ trainer (calling thread)
     def _wait_for_batch(self) -> list[Trajectory]:
         deadline = time.monotonic() + self.wait_timeout_s
-        started = time.perf_counter()
         with self._ready:
             while True:
                 if self._error is not None:
                     raise RolloutThreadError(f"the rollout thread failed:\n{self._error}")
-                version = self.learner.policy_version
-                if self.switch_state == "drained":
-                    self.switch_state = "done"
-                    kept = take_last_bootstrap_batch(self.buffer, self.learner, self.batch_size,
-                                                     self.cfg.staleness_cap)
-                    if kept:
-                        self._training_batch = len(kept)
-                        self._last_bootstrap = True  # trained with the bootstrap estimator, then switch
-                        self._trainer_wait_s += time.perf_counter() - started
-                        return kept
-                    self.learner.switch_to_single_rollout()
-                    continue
-                batch = self.buffer.take_batch(self.batch_size, version, self.cfg.staleness_cap)
+                draining_done = self.switch is SwitchPhase.DRAINED
+                batch = self.take_batch()
                 if batch is not None:
                     self._training_batch = len(batch)  # still untrained for the admission rule until published
-                    self._trainer_wait_s += time.perf_counter() - started
                     return batch
+                if draining_done:
+                    continue  # nothing of the kept job survived: the learner has switched, take a normal batch
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"no batch of {self.batch_size} trajectories within {self.wait_timeout_s:.0f} s "
                         f"(ready {self.buffer.num_ready}, in flight {self.rollout.inflight_trajectories})")
                 self._ready.wait(timeout=0.5)
 
-    def _weights_for_publication(self) -> dict:
-        return weights_for_engine(self.learner.actor, self.rollout.engine, self.learner.policy_version)
-
-    def _publish(self, weights: Optional[dict]) -> None:
-        if weights is not None:
-            # in-driver engine: applied by the rollout thread at its next token boundary (or at once between
-            # chunks); replicas: every replica pauses at a token boundary, loads, resumes (ReplicaPool.update_weights)
-            self.rollout.engine.update_weights(weights, self.learner.policy_version)
-
     def _begin_switch(self) -> None:
         """Spec §4 in real time: keep the prefetched job, discard the rest, stop launching."""
-        self.stats.switch_step = self.learner.step
         with self._lock, self._ready:
-            self.kept_groups = choose_prefetched_job(self.buffer, self.rollout, self.batch_size,
-                                                     self.learner.cfg.group_size)
-            self.stats.discarded_at_switch = (self.buffer.discard_except(self.kept_groups)
-                                              + self.rollout.discard_except(self.kept_groups))
-            self.switch_state = "draining"
+            self.begin_switch()
 
     def _finish_switch(self) -> None:
         """Wait for the kept job, then install n_s before the next generation request."""
@@ -223,9 +162,8 @@ class ConcurrentDriver:
             if self._error is not None:
                 raise RolloutThreadError(f"the rollout thread failed:\n{self._error}")
             with self._lock:
-                if not any(ep.trajectory.group_id in self.kept_groups for ep in self.rollout.episodes.values()):
-                    self.rollout.group_size = self.learner.cfg.single_group_size
-                    self.switch_state = "drained"
+                if not self.kept_job_generating():
+                    self.install_single_rollout()
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError("the prefetched job did not finish in time during the Li2SAO switch")
@@ -233,48 +171,31 @@ class ConcurrentDriver:
 
     def run(self) -> list[dict]:
         thread = threading.Thread(target=self._rollout_loop, name="async_rl-rollout", daemon=True)
-        wall_start = time.perf_counter()
         thread.start()
         try:
             while self.learner.step < self.cfg.total_steps:
-                batch = self._wait_for_batch()
-                metrics = self.learner.train_step(batch)
-                if self._last_bootstrap:
-                    self.learner.switch_to_single_rollout()
-                    self._last_bootstrap = False
-                weights = self._weights_for_publication() if metrics["actor/updated"] > 0 else None
-                if metrics.get("li2sao/gate_opened"):
+                result, weights = self.train(self._wait_for_batch())
+                if result.gate_opened:
                     self._begin_switch()
                     self._finish_switch()  # publication waits for the outstanding job (spec §4)
-                self._publish(weights)
+                if weights is not None:
+                    # in-driver engine: applied by the rollout thread at its next token boundary (or at once
+                    # between chunks); replicas: every replica pauses at a token boundary, loads, resumes
+                    self.rollout.engine.update_weights(weights, self.learner.policy_version)
                 self._training_batch = 0
                 self._abort_stale_live()
-                elapsed = time.perf_counter() - wall_start
-                metrics.update({
-                    "async/dropped_stale": float(self.buffer.counters.dropped_stale),
-                    "async/aborted": float(self.buffer.counters.aborted),
-                    "async/discarded": float(self.buffer.counters.discarded),
-                    "async/aborted_stale": float(self.aborted_stale),
-                    "async/wasted_tokens": float(self.stale_wasted_tokens),
-                    "async/group_size": float(self.rollout.group_size),
-                    "perf/trainer_idle_frac": self._trainer_wait_s / max(elapsed, 1e-9),
-                    "perf/rollout_idle_frac": 1.0 - self._rollout_busy_s / max(elapsed, 1e-9),
-                    "perf/trajectories_per_s": self.stats.trajectories_finished / max(elapsed, 1e-9),
-                    "perf/tokens_per_s": self.rollout.generated_tokens / max(elapsed, 1e-9),
-                    "perf/wall_s": elapsed,
-                })
-                metrics.update(self.rollout.env_metrics())
+                metrics = result.metrics
+                metrics.update(self.step_metrics())
+                metrics.update({"async/aborted_stale": float(self.aborted_stale),
+                                "async/wasted_tokens": float(self.stale_wasted_tokens)})
                 engine_metrics = getattr(self.rollout.engine, "metrics", None)
                 if callable(engine_metrics):  # rollout replicas: liveness, aborted by failures, update latency
                     replica_metrics = engine_metrics()
                     # tokens lost on the replicas (aborts, failures) add to the stale aborts' tokens
                     replica_metrics["async/wasted_tokens"] += self.stale_wasted_tokens
                     metrics.update(replica_metrics)
-                self.history.append(metrics)
-                if self.on_step is not None:
-                    self.on_step(metrics)
-                if weights is not None and self.checkpoint_dir and self.cfg.checkpoint_every and \
-                        self.learner.step % self.cfg.checkpoint_every == 0:
+                self.record(metrics)
+                if weights is not None and self.checkpoint_due():
                     self.save_checkpoint()
         finally:
             self._stop.set()
@@ -284,42 +205,24 @@ class ConcurrentDriver:
         return self.history
 
     # ------------------------------------------------------------------ checkpoint and resume
+    def _at_cut(self) -> ContextManager:
+        return self._lock  # the rollout thread waits between two iterations while the cut is taken
+
     def state_dict(self) -> dict:
-        """The run at a cut: called by the trainer right after a publication, holding ``_lock`` (the rollout
+        """The run at a cut: taken by the trainer right after a publication, holding ``_lock`` (the rollout
         thread is between two iterations). Env calls still in flight are waited out first and the
         trajectories they finish go to the buffer, so the cut holds no half-done env step. Same layout as
-        the deterministic driver's (``format`` 1, plus ``scheduler``)."""
+        the deterministic driver's (``format`` 1, plus ``scheduler``). A resumed concurrent run continues the
+        run (no trained step lost or repeated) but is not bit for bit (real time)."""
         with self._ready:
             for traj in self.rollout.settle_env_calls():
-                self.stats.trajectories_finished += 1
-                if self.switch_state == "draining" and traj.group_id not in self.kept_groups:
-                    self.buffer.counters.discarded += 1
-                    continue
-                self.buffer.add(traj)
+                self.intake(traj)
             # the weights of this version were handed to the engine just before the cut (in-driver engine:
             # applied at its next token boundary), so that is the version the resumed engine runs
-            return {**run_state(self, self.learner.policy_version), "scheduler": "concurrent",
+            return {**self._run_state(self.learner.policy_version), "scheduler": "concurrent",
                     "aborted_stale": self.aborted_stale, "stale_wasted_tokens": self.stale_wasted_tokens}
 
     def load_state_dict(self, state: dict) -> None:
-        load_run_state(self, state)
+        self._load_run_state(state)
         self.aborted_stale = int(state.get("aborted_stale", 0))
         self.stale_wasted_tokens = int(state.get("stale_wasted_tokens", 0))
-
-    def save_checkpoint(self) -> Path:
-        """As :meth:`DeterministicDriver.save_checkpoint` (atomic, checksummed, sharded model state for worker
-        groups, ``keep_last``), taken with the rollout thread held at the cut of :meth:`state_dict`."""
-        shards = self.learner.save_model_shards if self.learner.model_state_sharded else None
-        with self._lock:
-            path = write_checkpoint(self.state_dict(), self.checkpoint_dir, self.learner.step, write_shards=shards)
-        prune_checkpoints(self.checkpoint_dir, self.learner.step, self.cfg.keep_last)
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(path)
-        return path
-
-    def resume(self, path: Optional[str | Path] = None) -> bool:
-        """Continue from ``path`` or the newest intact checkpoint (call before :meth:`run`); False when there
-        is none. Falls back past damaged checkpoints like the deterministic driver; a resumed concurrent run
-        continues the run (no trained step lost or repeated) but is not bit for bit (real time)."""
-        self.resumed_from = resume_checkpoint(self.load_state_dict, self.checkpoint_dir, path)
-        return self.resumed_from is not None

@@ -60,7 +60,9 @@ class EpisodeLimits:
     max_turns: int = 4  # env turns per episode (the env's own max_turns also applies)
     max_response_tokens: int = 256  # model + observation tokens after the prompt
     env_timeout_s: float = 30.0  # any env call (construct, reset, step, close) slower than this aborts the episode
-    overlong_penalty: bool = False  # DAPO soft penalty on responses entering the final quarter of their window (spec §2)
+    # DAPO soft penalty on responses entering the final quarter of their window (spec §2); None: the algorithm's
+    # algorithm.overlong_penalty decides (build.py fills it in), the one default
+    overlong_penalty: Optional[bool] = None
     max_context_tokens: Optional[int] = None  # the model's context (prompt + response); a full one truncates
 
     def __post_init__(self) -> None:
@@ -74,6 +76,8 @@ class EpisodeLimits:
         timeout = self.env_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"env.env_timeout_s={timeout!r}: must be a positive, finite number of seconds")
+        if self.overlong_penalty is not None and not isinstance(self.overlong_penalty, bool):
+            raise ValueError(f"overlong_penalty={self.overlong_penalty!r}: must be true, false or None (the algorithm's)")
         if self.max_context_tokens is not None and (not whole(self.max_context_tokens) or self.max_context_tokens < 2):
             raise ValueError(f"max_context_tokens={self.max_context_tokens!r}: must be an integer >= 2 or None")
 

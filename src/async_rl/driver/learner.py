@@ -4,31 +4,34 @@ actor update. Reads top to bottom; all equations come from :mod:`async_rl.algos`
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-
-import torch
 
 from async_rl.algos import (
     ReadinessGate,
     bootstrap_returns,
     broadcast_to_tokens,
     divergence_mask,
-    explained_variance,
     grpo_group_advantage,
-    policy_lag_stats,
-    readiness_from_statistics,
-    readiness_statistics,
     residual_critic_targets,
     sao_gae,
     skip_observation_gae,
-    values_at_last_model_token,
 )
 from async_rl.config import AlgorithmConfig
+from async_rl.driver.batch import batch_metrics, collate, critic_explained_variance, readiness_metrics
 from async_rl.driver.kl_guard import KLGuard
-from async_rl.driver.trajectory import Trajectory, collate
+from async_rl.driver.trajectory import Trajectory
 from async_rl.workers.roles import ActorRole, CriticRole
+
+
+@dataclass
+class StepResult:
+    """One training step: its metrics, and the two facts the driver acts on (kept out of the metrics dict)."""
+
+    metrics: dict[str, float]
+    actor_updated: bool  # the actor took an optimizer step: publish (False in LiSAO's critic warm-up)
+    gate_opened: bool = False  # Li2SAO's readiness gate opened on this step: begin the switch (spec §4)
 
 
 class Learner:
@@ -51,8 +54,8 @@ class Learner:
         self.shard_model_state: Optional[bool] = None
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """Consume one batch; returns metrics. ``metrics["actor/updated"]`` says whether to publish."""
+    def train_step(self, trajectories: list[Trajectory]) -> StepResult:
+        """Consume one batch; returns its metrics and whether to publish or begin the Li2SAO switch."""
         cfg = self.cfg
         batch = collate(trajectories, self.pad_token_id)
         mask = batch["response_mask"]
@@ -63,7 +66,7 @@ class Learner:
         if len(group_sizes) != 1:
             raise RuntimeError(f"a batch mixed group sizes {sorted(group_sizes)}; the buffer must prevent this")
         grouped = group_sizes.pop() > 1
-        metrics = {**self._batch_metrics(trajectories, batch)}
+        metrics = batch_metrics(trajectories, batch, self.policy_version)
         if cfg.name == "sapo":
             return self._sapo_step(trajectories, batch, metrics)
 
@@ -81,8 +84,9 @@ class Learner:
             critic_mask = divergence_mask(batch["responses"], mask, scores, group_ids,
                                           batch["response_attention"]) * keep.unsqueeze(1)
             ranking = {"scores": scores, "group_ids": group_ids, "margin": cfg.rank_margin, "coef": cfg.rank_coef}
-            metrics.update(self._readiness(old_values, scores, group_ids, mask))
-            metrics.update(self._critic_ev(old_values, critic_targets, mask * keep.unsqueeze(1), critic_mask))
+            metrics.update(readiness_metrics(old_values, scores, group_ids, mask))
+            metrics.update(critic_explained_variance(old_values, critic_targets, mask * keep.unsqueeze(1),
+                                                     critic_mask))
             value_clip = cfg.value_clip  # Eq. 10: clipped residual loss
         else:  # single-rollout GAE: LiSAO, Li2SAO after the switch, PPO
             if cfg.gae_lambda is None:
@@ -92,7 +96,7 @@ class Learner:
                 advantages, returns = skip_observation_gae(rewards, old_values, mask, lam=cfg.gae_lambda,
                                                            gamma=cfg.gamma, whiten=cfg.whiten_advantages)
             critic_targets, critic_mask = returns, mask
-            metrics.update(self._critic_ev(old_values, returns, mask, None))
+            metrics.update(critic_explained_variance(old_values, returns, mask, None))
             # Eq. 5: the critic fits absolute returns with plain squared error (clipping is an ablation)
             value_clip = cfg.value_clip if cfg.clip_absolute_value_loss else None
 
@@ -117,15 +121,18 @@ class Learner:
         metrics.update(self.kl_guard.check(self.step, metrics))
 
         # ---------------- Li2SAO gate (decided on this step's statistics; the driver switches) ----------
+        gate_opened = False
         if self.gate is not None and self.phase == "bootstrap" and grouped:
-            if self.gate.update(metrics.get("li2sao/explained_var_residual"), metrics.get("li2sao/rank_acc")):
-                metrics["li2sao/gate_opened"] = 1.0
+            gate_opened = self.gate.update(metrics.get("li2sao/explained_var_residual"),
+                                           metrics.get("li2sao/rank_acc"))
+            if gate_opened:
+                metrics["li2sao/gate_opened"] = 1.0  # for the plots and the dashboard
             metrics.update(self.gate.metrics())
         metrics["trainer/step"] = float(self.step)
         metrics["trainer/policy_version"] = float(self.policy_version)
-        return metrics
+        return StepResult(metrics, actor_updated=not frozen, gate_opened=bool(gate_opened))
 
-    def _sapo_step(self, trajectories: list[Trajectory], batch, metrics: dict) -> dict[str, float]:
+    def _sapo_step(self, trajectories: list[Trajectory], batch, metrics: dict) -> StepResult:
         """SAPO (spec §5): frozen turn targets from the shared backbone, then one joint backward."""
         cfg = self.cfg
         turns = self.actor.turn_tensors(trajectories)
@@ -140,7 +147,7 @@ class Learner:
         metrics.update(self.kl_guard.check(self.step, metrics))
         metrics["trainer/step"] = float(self.step)
         metrics["trainer/policy_version"] = float(self.policy_version)
-        return metrics
+        return StepResult(metrics, actor_updated=True)
 
     def _policy_loss(self) -> str:
         if self.cfg.name == "li2sao":
@@ -150,50 +157,6 @@ class Learner:
     def switch_to_single_rollout(self) -> None:
         """Li2SAO's one-way switch (spec §4): called by the driver once the prefetched job is done."""
         self.phase = "single"
-
-    # ------------------------------------------------------------------ metrics
-    def _readiness(self, old_values, scores, group_ids, mask) -> dict[str, float]:
-        """The gate's inputs e_k, a_k (Eq. 12-13) on this step's mixed groups, read from the frozen V_old."""
-        stats = readiness_statistics(values_at_last_model_token(old_values, mask), scores, group_ids)
-        # sums over the step's whole batch (the learner holds every trajectory, whichever workers trained on it)
-        e_k, a_k = readiness_from_statistics(stats)
-        out = {"li2sao/mixed_groups_trajectories": float(stats[0]), "li2sao/rank_pairs": float(stats[5])}
-        if e_k is not None:
-            out["li2sao/explained_var_residual"] = e_k
-        if a_k is not None:
-            out["li2sao/rank_acc"] = a_k
-        return out
-
-    @staticmethod
-    def _critic_ev(old_values, targets, token_mask, loss_mask) -> dict[str, float]:
-        """Explained variance ``1 - Var(G - V)/Var(G)`` of V_old against the critic's own target, three ways:
-        over every model token (``critic/ev_tokens``, also ``critic/explained_var``), at each response's last
-        model token only (``critic/ev_terminal``; in the bootstrap this is e_k), and, in the bootstrap, over
-        the divergence mask the residual loss is trained on (``critic/ev_loss_mask``)."""
-        ev_tokens = explained_variance(old_values, targets, token_mask)
-        terminal = torch.zeros_like(token_mask)
-        last = token_mask.shape[1] - 1 - torch.flip(token_mask, dims=[1]).argmax(dim=1)
-        rows = token_mask.sum(dim=1) > 0
-        terminal[rows.nonzero().squeeze(1), last[rows]] = 1.0
-        out = {"critic/ev_tokens": ev_tokens, "critic/explained_var": ev_tokens,
-               "critic/ev_terminal": explained_variance(old_values, targets, terminal)}
-        if loss_mask is not None:
-            out["critic/ev_loss_mask"] = explained_variance(old_values, targets, loss_mask)
-        return out
-
-    def _batch_metrics(self, trajectories: list[Trajectory], batch) -> dict[str, float]:
-        n_model = batch["response_mask"].sum(dim=1)
-        out = {
-            "train/reward_mean": float(batch["scores"].mean()),
-            "train/success_rate": sum(t.success for t in trajectories) / len(trajectories),
-            "train/batch_trajectories": float(len(trajectories)),
-            "train/response_length/mean": float(n_model.mean()),
-            "train/response_length/max": float(n_model.max()),
-            "train/num_turns/mean": sum(t.num_turns for t in trajectories) / len(trajectories),
-            "train/tool_calls": float(sum(t.info.get("tool_calls", 0) for t in trajectories)),
-        }
-        out.update(policy_lag_stats(batch["token_versions"], self.policy_version, batch["response_mask"]))
-        return {k: (v if not (isinstance(v, float) and math.isnan(v)) else float("nan")) for k, v in out.items()}
 
     # ------------------------------------------------------------------ checkpointing
     @property

@@ -2,15 +2,13 @@
 versions) and environment tokens (without), plus the outcome (spec §1, issue: multi-turn support).
 
 Plain Python lists: trajectories travel between processes and into checkpoints; tensors are built only
-when a batch is collated (:func:`collate`).
+when a batch is collated (:func:`async_rl.driver.batch.collate`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
-
-import torch
 
 OBSERVATION_VERSION = -1  # version recorded on environment tokens (never sampled by a policy)
 
@@ -103,51 +101,3 @@ class Trajectory:
         data = dict(data)
         data["segments"] = [Segment(**s) for s in data["segments"]]
         return cls(**data)
-
-
-def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of trajectories into batch tensors for workers and algorithms.
-
-    Returns (``bs`` trajectories, ``P`` max prompt length, ``T`` max response length):
-        ``prompts (bs, P)`` left-padded, ``prompt_mask (bs, P)``,
-        ``responses (bs, T)``, ``response_attention (bs, T)`` (1 on every real response token),
-        ``response_mask (bs, T)`` (1 on model tokens), ``behaviour_log_probs (bs, T)``,
-        ``token_versions (bs, T)`` (-1 off model tokens), ``token_turn_index (bs, T)``,
-        ``token_level_rewards (bs, T)`` (outcome on the last model token), ``scores (bs,)``.
-    """
-    bs = len(trajectories)
-    if bs == 0:
-        raise ValueError("cannot collate an empty batch")
-    P = max(len(t.prompt_ids) for t in trajectories)
-    T = max(max(len(t.response_ids) for t in trajectories), 1)
-    prompts = torch.full((bs, P), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(bs, P, dtype=torch.long)
-    responses = torch.full((bs, T), pad_token_id, dtype=torch.long)
-    attention = torch.zeros(bs, T, dtype=torch.long)
-    mask = torch.zeros(bs, T, dtype=torch.float32)
-    logprobs = torch.zeros(bs, T, dtype=torch.float32)
-    versions = torch.full((bs, T), OBSERVATION_VERSION, dtype=torch.long)
-    turn_index = torch.full((bs, T), -1, dtype=torch.long)
-    rewards = torch.zeros(bs, T, dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        p = len(t.prompt_ids)
-        prompts[i, P - p:] = torch.tensor(t.prompt_ids, dtype=torch.long)
-        prompt_mask[i, P - p:] = 1
-        n = len(t.response_ids)
-        if n:
-            responses[i, :n] = torch.tensor(t.response_ids, dtype=torch.long)
-            attention[i, :n] = 1
-            m = torch.tensor(t.response_mask, dtype=torch.float32)
-            mask[i, :n] = m
-            logprobs[i, :n] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
-            versions[i, :n] = torch.tensor(t.versions, dtype=torch.long)
-            turn_index[i, :n] = torch.tensor(t.token_turn_index, dtype=torch.long)
-            model_pos = torch.nonzero(m).flatten()
-            if model_pos.numel():
-                rewards[i, int(model_pos[-1])] = float(t.reward)
-    return {
-        "prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-        "response_attention": attention, "response_mask": mask, "behaviour_log_probs": logprobs,
-        "token_versions": versions, "token_turn_index": turn_index, "token_level_rewards": rewards,
-        "scores": torch.tensor([float(t.reward) for t in trajectories]),
-    }

@@ -11,6 +11,8 @@ import ray
 import torch
 from verl.protocol import DataProto
 
+from async_rl.algos.dis import DIS_HIGH, DIS_LOW
+from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW
 from async_rl.workers.proto import (SAPO_TURN_KEYS, batch_to_proto, metrics_from_proto, pad_proto_for_dp,
                                     proto_to_batch, unpad)
 
@@ -39,8 +41,8 @@ class RemoteActor:
         out = self.wg.compute_log_probs(padded, **self._kw(timeout_s))
         return unpad(out, added).batch["log_probs"]
 
-    def update(self, batch, advantages: torch.Tensor, loss_mode: str = "ppo_clip", clip_low: float = 0.2,
-               clip_high: float = 0.28, dis_low: float = 0.7, dis_high: float = 6.0,
+    def update(self, batch, advantages: torch.Tensor, loss_mode: str = "ppo_clip", clip_low: float = CLIP_LOW,
+               clip_high: float = CLIP_HIGH, dis_low: float = DIS_LOW, dis_high: float = DIS_HIGH,
                loss_agg_mode: str = "seq-mean-token-mean", timeout_s: Optional[float] = None) -> dict[str, float]:
         data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
         data["advantages"] = advantages
@@ -153,8 +155,8 @@ class RemoteSapo:
         return self.reserved_ids
 
     def turn_tensors(self, trajectories_or_batch, num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """See :func:`async_rl.workers.sapo.turn_tensors` (built in the driver: it reads the trajectories)."""
-        from async_rl.workers.sapo import turn_tensors
+        """See :func:`async_rl.driver.batch.turn_tensors` (built in the driver: it reads the trajectories)."""
+        from async_rl.driver.batch import turn_tensors
 
         return turn_tensors(trajectories_or_batch, num_turns)
 

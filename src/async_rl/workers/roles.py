@@ -20,7 +20,9 @@ from async_rl.algos import (
     terminal_ranking_loss,
     values_at_last_model_token,
 )
+from async_rl.algos.dis import DIS_HIGH, DIS_LOW
 from async_rl.algos.metrics import mismatch_metrics, mismatch_sums
+from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW
 from async_rl.config import POLICY_LOSSES
 from async_rl.engine import dist
 from async_rl.engine.base import GlobalDenominator, OptimizerConfig
@@ -91,10 +93,10 @@ class ActorRole:
         batch: dict[str, torch.Tensor],
         advantages: torch.Tensor,
         loss_mode: str,
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        dis_low: float = 0.7,
-        dis_high: float = 6.0,
+        clip_low: float = CLIP_LOW,
+        clip_high: float = CLIP_HIGH,
+        dis_low: float = DIS_LOW,
+        dis_high: float = DIS_HIGH,
         loss_agg_mode: str = "seq-mean-token-mean",
     ) -> dict[str, float]:
         """One optimizer step on the batch with verl's registered policy loss ``loss_mode``.

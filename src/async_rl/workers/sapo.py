@@ -1,7 +1,7 @@
 """The SAPO role: one causal LM is the policy, the state value V and the action value Q (spec §5;
 sapo paper §4). See ``docs/sapo.md`` for where the readouts sit and why the defaults are what they are.
 
-Layout (the batch of :func:`async_rl.driver.trajectory.collate`)::
+Layout (the batch of :func:`async_rl.driver.batch.collate`)::
 
     input_ids = [ prompt, left-padded to width P | response, right-padded to width T ]
 
@@ -43,6 +43,7 @@ from async_rl.algos.sapo import (
     turn_boundaries,
     turn_value_loss,
 )
+from async_rl.driver.batch import num_turns_of, turn_tensors
 from async_rl.engine import dist
 from async_rl.engine.base import GlobalDenominator, OptimizerConfig
 from async_rl.engine.fsdp import FSDPEngine
@@ -217,87 +218,6 @@ def _accepts_kwarg(module: nn.Module, name: str) -> bool:
         return name in inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def num_turns_of(token_turn_index: torch.Tensor) -> int:
-    """``K`` = largest turn index on a model token + 1 (at least 1)."""
-    return max(int(token_turn_index.max()) + 1, 1) if token_turn_index.numel() else 1
-
-
-def turn_tensors(trajectories_or_batch, num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """``(bs, K)`` turn tensors: ``turn_rewards``, ``turn_dones``, ``turn_mask``, ``turn_invalid`` (float32).
-
-    Args:
-        trajectories_or_batch: either the list of :class:`~async_rl.driver.trajectory.Trajectory` the
-            batch was collated from (same order), or a collated batch dict. From trajectories, turn ``k``
-            exists when ``k < max(len(turn_rewards), last model turn + 1)`` *and* it has at least one
-            model token (a turn without model tokens has no V/Q boundary and is masked out); rewards,
-            dones and invalid flags come from the per-turn lists; a trajectory without ``turn_rewards``
-            (single-turn tasks) gets its outcome ``reward`` on its last turn. A batch dict that already
-            holds the turn tensors is passed through; otherwise they are derived from
-            ``token_turn_index`` and ``token_level_rewards`` (reward of a turn = sum of its token rewards,
-            last turn done, no invalid flags).
-        num_turns: pad to this ``K`` (default: the largest turn count in the batch).
-
-    Returns:
-        dict of ``(bs, K)`` float32 tensors.
-    """
-    keys = ("turn_rewards", "turn_dones", "turn_mask", "turn_invalid")
-    if isinstance(trajectories_or_batch, Mapping):
-        batch = trajectories_or_batch
-        if all(k in batch for k in keys[:3]):
-            out = {k: batch[k].to(torch.float32) for k in keys if k in batch}
-            out.setdefault("turn_invalid", torch.zeros_like(out["turn_mask"]))
-            return _pad_turns(out, num_turns)
-        tti = batch["token_turn_index"].long()
-        K = num_turns or num_turns_of(tti)
-        bs = tti.shape[0]
-        model = tti >= 0
-        slot = tti.clamp_min(0)
-        rewards = torch.zeros(bs, K).scatter_add_(1, slot, batch["token_level_rewards"].float() * model)
-        has_tokens = torch.zeros(bs, K).scatter_add_(1, slot, model.float()) > 0
-        mask = has_tokens.float()
-        last = (mask * torch.arange(1, K + 1)).argmax(dim=1)
-        dones = torch.zeros(bs, K).scatter_(1, last.unsqueeze(1), 1.0) * mask
-        return {"turn_rewards": rewards, "turn_dones": dones, "turn_mask": mask,
-                "turn_invalid": torch.zeros(bs, K)}
-
-    trajectories = list(trajectories_or_batch)
-    if not trajectories:
-        raise ValueError("turn_tensors needs at least one trajectory")
-    counts, model_turns = [], []
-    for t in trajectories:
-        turns_with_tokens = {s.turn for s in t.segments if s.kind == "model" and len(s.token_ids) > 0}
-        model_turns.append(turns_with_tokens)
-        counts.append(max(len(t.turn_rewards), max(turns_with_tokens, default=-1) + 1))
-    K = max(max(counts), 1) if num_turns is None else num_turns
-    if K < max(counts):
-        raise ValueError(f"num_turns={K} is smaller than the longest trajectory ({max(counts)} turns)")
-    bs = len(trajectories)
-    rewards, dones, mask, invalid = (torch.zeros(bs, K) for _ in range(4))
-    for i, t in enumerate(trajectories):
-        for k in range(counts[i]):
-            mask[i, k] = float(k in model_turns[i])
-            if k < len(t.turn_rewards):
-                rewards[i, k] = float(t.turn_rewards[k])
-            if k < len(t.turn_dones):
-                dones[i, k] = float(bool(t.turn_dones[k]))
-            if k < len(t.turn_invalid):
-                invalid[i, k] = float(bool(t.turn_invalid[k]))
-        if not t.turn_rewards and model_turns[i]:
-            last = max(model_turns[i])
-            rewards[i, last] = float(t.reward)
-            dones[i, last] = float(not t.truncated)
-    return {"turn_rewards": rewards, "turn_dones": dones, "turn_mask": mask, "turn_invalid": invalid}
-
-
-def _pad_turns(turns: dict[str, torch.Tensor], num_turns: Optional[int]) -> dict[str, torch.Tensor]:
-    if num_turns is None:
-        return turns
-    K = next(iter(turns.values())).shape[1]
-    if K > num_turns:
-        raise ValueError(f"turn tensors have K={K} > num_turns={num_turns}")
-    return {k: torch.nn.functional.pad(v, (0, num_turns - K)) for k, v in turns.items()}
 
 
 def _global_normalise(adv: torch.Tensor, turn_mask: torch.Tensor, invalid: Optional[torch.Tensor],

@@ -19,7 +19,7 @@ class SapoWorker(ActorWorker):
 
     Same engine interface and weight export as :class:`ActorWorker`; the turn tensors travel in the
     DataProto next to the batch (``turn_rewards``, ``turn_dones``, ``turn_mask``, ``turn_invalid``, all
-    ``(bs, K)``), built by the driver from the trajectories (``async_rl.workers.sapo.turn_tensors``).
+    ``(bs, K)``), built by the driver from the trajectories (``async_rl.driver.batch.turn_tensors``).
     """
 
     def __init__(self, model_path: str, optim: Optional[OptimizerConfig] = None,
@@ -58,7 +58,7 @@ class SapoWorker(ActorWorker):
         missing = [k for k in SAPO_TURN_KEYS if k not in data.batch.keys()]
         if missing:
             raise ValueError(f"compute_sapo_targets: missing turn tensors {missing} (build them with "
-                             "async_rl.workers.sapo.turn_tensors(trajectories))")
+                             "async_rl.driver.batch.turn_tensors(trajectories))")
         meta = data.meta_info
         batch, turns = self._split(data)
         targets = self.role.compute_targets(batch, turns, gamma=meta.get("gamma", 1.0), lam=meta.get("lam", 0.95),

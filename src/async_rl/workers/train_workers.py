@@ -111,10 +111,10 @@ class ActorWorker(RoleWorker):
         meta = data.meta_info
         batch = proto_to_batch(data)
         advantages = batch.pop("advantages")
-        metrics = self.role.update(batch, advantages, meta.get("loss_mode", "ppo_clip"),
-                                   clip_low=meta.get("clip_low", 0.2), clip_high=meta.get("clip_high", 0.28),
-                                   dis_low=meta.get("dis_low", 0.7), dis_high=meta.get("dis_high", 6.0),
-                                   loss_agg_mode=meta.get("loss_agg_mode", "seq-mean-token-mean"))
+        # RemoteActor.update always sends every setting: the role's defaults apply only to keys it left out
+        settings = {key: meta[key] for key in ("clip_low", "clip_high", "dis_low", "dis_high", "loss_agg_mode")
+                    if key in meta}
+        metrics = self.role.update(batch, advantages, meta.get("loss_mode", "ppo_clip"), **settings)
         self.update_count += 1
         metrics = _reduce_metrics(metrics, self.role.engine.device, keep=("actor/grad_norm",))
         return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})

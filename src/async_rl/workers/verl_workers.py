@@ -30,7 +30,7 @@ RolloutWorker     ``init_model()``                 ONE_TO_ALL: an HFRolloutEngin
 
 Every worker also has ``ping(sleep_s=0)`` (a health check).
 
-**Data.** The driver's collated batch (:func:`async_rl.driver.trajectory.collate`) travels as a verl
+**Data.** The driver's collated batch (:func:`async_rl.driver.batch.collate`) travels as a verl
 ``DataProto``: tensors in ``.batch``, per-row python objects in ``.non_tensor_batch``, settings and
 metrics in ``.meta_info`` (:func:`batch_to_proto`, :func:`proto_to_batch`). Under DP every rank must
 get the same number of rows (FSDP collectives run once per micro-batch, in lock-step), so the driver

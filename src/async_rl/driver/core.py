@@ -1,0 +1,326 @@
+"""The run both schedulers share (spec §1, §4): intake into the staleness-capped buffer, batches, the training
+step, the Li2SAO switch, step metrics and checkpoints. A scheduler (``driver.py`` on a simulated clock,
+``concurrent.py`` in real time) only decides *when* each of these happens.
+
+Li2SAO switch (spec §4) as one state machine, :class:`SwitchPhase`, advanced only here:
+
+  NONE --gate opens (begin_switch)--> DRAINING --kept job received (install_single_rollout)--> DRAINED
+       --kept job taken as a batch (take_batch)--> LAST_BOOTSTRAP --trained (train)--> DONE
+
+While DRAINING or DRAINED nothing launches (:attr:`RunCore.launch_held`) and, while DRAINING, nothing is
+published; the learner's estimator changes (``Learner.switch_to_single_rollout``) right after the last bootstrap
+batch has trained, and the rollout's group size when the kept job has been received.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ContextManager, Optional
+
+import numpy as np
+import torch
+
+from async_rl.driver.buffer import TrajectoryBuffer
+from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, write_checkpoint
+from async_rl.driver.learner import Learner, StepResult
+from async_rl.driver.rollout_manager import RolloutManager
+from async_rl.driver.trajectory import Trajectory
+
+
+@dataclass
+class DriverConfig:
+    total_steps: int = 100  # optimizer batches to train
+    staleness_cap: int = 4  # k, spec §1: drop trajectories holding a token with policy lag > k
+    max_inflight_trajectories: Optional[int] = None  # rollout capacity (live episodes); None = 2 B
+    buffer_capacity: Optional[int] = None  # finished trajectories held; None = 4 B
+    chunk_tokens: int = 8  # tokens generated per scheduler tick (weights can change between chunks)
+    update_ticks: int = 4  # deterministic scheduler: simulated duration of one trainer update, in ticks
+    checkpoint_every: int = 0  # save a checkpoint every this many steps (0 = never)
+    keep_last: int = 3  # checkpoints kept on disk (older ones are deleted); >= 2 leaves one to fall back to
+    synchronous: bool = False  # colocated synchronous baseline: generate one batch, train, publish, repeat
+
+    # allowed range of every numeric field (types come from the annotations above)
+    RANGES = {
+        "total_steps": ">= 1",
+        "staleness_cap": ">= 0",  # 0 = strictly on-policy
+        "max_inflight_trajectories": ">= 1",
+        "buffer_capacity": ">= 1",
+        "chunk_tokens": ">= 1",
+        "update_ticks": ">= 0",
+        "checkpoint_every": ">= 0",
+        "keep_last": ">= 1",
+    }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DriverConfig":
+        """From a plain dict (the resolved ``trainer.driver`` node); unknown keys fail with the valid ones."""
+        from async_rl.validation import dataclass_from_mapping
+
+        return dataclass_from_mapping(cls, data, "trainer.driver")
+
+    def validate(self, batch_size: int) -> None:
+        """Types and ranges of every field (one line naming ``trainer.driver.<key>``, the value and what is
+        allowed), then the capacities against one batch of ``batch_size`` trajectories."""
+        from async_rl.validation import ConfigError, check_dataclass
+
+        check_dataclass(self, "trainer.driver", self.RANGES)
+        if self.buffer_capacity is not None and self.buffer_capacity < batch_size:
+            raise ConfigError(f"trainer.driver.buffer_capacity={self.buffer_capacity}: must hold at least one "
+                              f"batch ({batch_size} trajectories)")
+
+
+def weights_for_engine(actor, engine, version: int):
+    """The new weights in the form ``engine.update_weights`` takes them, moved as little as possible.
+
+    A pool that gets the weights itself (``engine.takes_version_only``: replicas inside the train ranks,
+    ``rollout.mode=hybrid``, copy them in memory; verl's checkpoint manager pulls them from the actor ranks) is sent
+    only the version. Other replicas (``ReplicaPool``) take the handle of actor rank 0's ``ray.put`` (the weights go
+    from the object store to each replica, never through the driver). The in-driver engine takes the state dict.
+    """
+    if getattr(engine, "takes_version_only", False):
+        from async_rl.rollout.checkpoint_engine import in_process_handle
+
+        return in_process_handle(version)
+    if getattr(engine, "accepts_published_weights", False) and hasattr(actor, "publish_weights"):
+        return actor.publish_weights(version)
+    return actor.export_weights()
+
+
+def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
+                          group_size: int) -> set[str]:
+    """Li2SAO switch, step 1: the prefetched job = the oldest groups, ready first, then buffered partial
+    groups, then groups still generating, worth at most one batch."""
+    candidates = buffer.group_ids_oldest_first() + rollout.live_group_ids()
+    keep: list[str] = []
+    for gid in dict.fromkeys(candidates):
+        if (len(keep) + 1) * group_size > batch_size:
+            break
+        keep.append(gid)
+    return set(keep)
+
+
+class SwitchPhase(str, enum.Enum):
+    """Where the run is in Li2SAO's one switch (module docstring); the value is what checkpoints store."""
+
+    NONE = "none"  # no switch yet (every algorithm but Li2SAO stays here)
+    DRAINING = "draining"  # gate opened: the kept job finishes at n_b; no launch, no publication
+    DRAINED = "drained"  # kept job received, n_s installed; launches held until it is taken as a batch
+    LAST_BOOTSTRAP = "last_bootstrap"  # the kept job is training with the bootstrap estimator
+    DONE = "done"  # single rollout for the rest of the run
+
+
+@dataclass
+class RunStats:
+    """Counters a checkpoint carries (the deterministic scheduler's ticks among them)."""
+
+    ticks: int = 0
+    trainer_busy_ticks: int = 0
+    rollout_busy_ticks: int = 0
+    trajectories_finished: int = 0
+    switch_step: Optional[int] = None
+    discarded_at_switch: int = 0
+
+
+@dataclass
+class RealTime:
+    """Wall-clock seconds since this process started the run (not checkpointed: a resumed run starts over)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    training_s: float = 0.0  # inside Learner.train_step
+    rollout_busy_s: float = 0.0  # launching and generating
+
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.start, 1e-9)
+
+
+class RunCore:
+    """State and steps of one run; subclasses schedule them. ``cfg.validate`` runs here."""
+
+    def __init__(self, cfg: DriverConfig, learner: Learner, rollout: RolloutManager, *,
+                 on_step: Optional[Callable[[dict], None]] = None, checkpoint_dir: Optional[str | Path] = None):
+        self.cfg = cfg
+        self.learner = learner
+        self.rollout = rollout
+        self.batch_size = learner.cfg.train_batch_trajectories
+        cfg.validate(self.batch_size)
+        self.buffer = TrajectoryBuffer(cfg.buffer_capacity or 4 * self.batch_size)
+        self.max_inflight = cfg.max_inflight_trajectories or 2 * self.batch_size
+        self.rollout.group_size = learner.cfg.group_size
+        self.on_step = on_step
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        # called with the checkpoint's path after each save (train.py exports the policy as a model there)
+        self.on_checkpoint: Optional[Callable[[Path], None]] = None
+        self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
+        self.switch = SwitchPhase.NONE
+        self.kept_groups: set[str] = set()
+        self.stats = RunStats()
+        self.time = RealTime()
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ rollout -> buffer -> batch
+    @property
+    def launch_held(self) -> bool:
+        """No prompt launches from the gate's opening until the kept job is taken as a batch (spec §4, step 3),
+        so the first single-rollout request runs the post-switch policy."""
+        return self.switch in (SwitchPhase.DRAINING, SwitchPhase.DRAINED)
+
+    def intake(self, trajectory: Trajectory) -> None:
+        """A finished trajectory into the buffer, unless the switch is draining and it is not the kept job's."""
+        self.stats.trajectories_finished += 1
+        if self.switch is SwitchPhase.DRAINING and trajectory.group_id not in self.kept_groups:
+            self.buffer.counters.discarded += 1
+            return
+        self.buffer.add(trajectory)
+
+    def take_batch(self) -> Optional[list[Trajectory]]:
+        """The next batch within the staleness cap, or None. Right after the switch drained, the kept job --
+        whatever of it survived aborts and the cap -- is the batch (the last bootstrap one); when nothing
+        survived, the learner switches now and this returns None."""
+        version, cap = self.learner.policy_version, self.cfg.staleness_cap
+        if self.switch is SwitchPhase.DRAINED:
+            self.buffer.drop_stale(version, cap)
+            kept = self.buffer.take_batch(min(self.buffer.num_ready, self.batch_size), version, cap) \
+                if self.buffer.num_ready else None
+            if kept:
+                self.switch = SwitchPhase.LAST_BOOTSTRAP
+                return kept
+            self.learner.switch_to_single_rollout()
+            self.switch = SwitchPhase.DONE
+            return None
+        return self.buffer.take_batch(self.batch_size, version, cap)
+
+    # ------------------------------------------------------------------ update
+    def train(self, batch: list[Trajectory]) -> tuple[StepResult, Optional[object]]:
+        """One learner step; returns it and the weights to publish (None when the actor did not update)."""
+        started = time.perf_counter()
+        result = self.learner.train_step(batch)
+        self.time.training_s += time.perf_counter() - started
+        if self.switch is SwitchPhase.LAST_BOOTSTRAP:  # trained with the bootstrap estimator: now switch
+            self.learner.switch_to_single_rollout()
+            self.switch = SwitchPhase.DONE
+        weights = weights_for_engine(self.learner.actor, self.rollout.engine, self.learner.policy_version) \
+            if result.actor_updated else None
+        return result, weights
+
+    # ------------------------------------------------------------------ Li2SAO switch (spec §4)
+    def begin_switch(self) -> None:
+        """Steps 1-2: keep the prefetched job, discard every other buffered or live trajectory."""
+        self.stats.switch_step = self.learner.step
+        self.kept_groups = choose_prefetched_job(self.buffer, self.rollout, self.batch_size,
+                                                 self.learner.cfg.group_size)
+        self.stats.discarded_at_switch = (self.buffer.discard_except(self.kept_groups)
+                                          + self.rollout.discard_except(self.kept_groups))
+        self.switch = SwitchPhase.DRAINING
+
+    def kept_job_generating(self) -> bool:
+        return any(ep.trajectory.group_id in self.kept_groups for ep in self.rollout.episodes.values())
+
+    def install_single_rollout(self) -> None:
+        """Step 4: n_s (and so B / n_s prompts) before the next generation request."""
+        self.rollout.group_size = self.learner.cfg.single_group_size
+        self.switch = SwitchPhase.DRAINED
+
+    # ------------------------------------------------------------------ metrics
+    def step_metrics(self) -> dict[str, float]:
+        """The keys both schedulers report (docs/metrics.md); ``perf/*`` are real time in both."""
+        counters, elapsed = self.buffer.counters, self.time.elapsed()
+        return {
+            "async/dropped_stale": float(counters.dropped_stale),
+            "async/aborted": float(counters.aborted),
+            "async/discarded": float(counters.discarded),
+            "async/group_size": float(self.rollout.group_size),
+            "perf/trainer_idle_frac": max(0.0, 1.0 - self.time.training_s / elapsed),
+            "perf/rollout_idle_frac": max(0.0, 1.0 - self.time.rollout_busy_s / elapsed),
+            "perf/trajectories_per_s": self.stats.trajectories_finished / elapsed,
+            "perf/tokens_per_s": self.rollout.generated_tokens / elapsed,
+            "perf/wall_s": elapsed,
+            **self.rollout.env_metrics(),  # env calls: failed, hung, leaked threads (rollout_manager.py)
+        }
+
+    def record(self, metrics: dict) -> None:
+        self.history.append(metrics)
+        if self.on_step is not None:
+            self.on_step(metrics)
+
+    # ------------------------------------------------------------------ checkpoint and resume
+    def checkpoint_due(self) -> bool:
+        return bool(self.checkpoint_dir and self.cfg.checkpoint_every
+                    and self.learner.step % self.cfg.checkpoint_every == 0)
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def _run_state(self, engine_version: int) -> dict:
+        """The checkpoint fields both schedulers share (format 1): switch, stats, learner, buffer, rollout, the
+        version the engine runs, history and random states. Each scheduler adds its own (clock, counters)."""
+        if self.switch is SwitchPhase.LAST_BOOTSTRAP:
+            raise RuntimeError("checkpoints are taken after a publication, never while the kept job trains")
+        return {
+            "format": 1,
+            "switch_state": self.switch.value,
+            "kept_groups": sorted(self.kept_groups),
+            "stats": dict(vars(self.stats)),
+            "learner": self.learner.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "rollout": self.rollout.state_dict(),
+            "engine_version": int(engine_version),
+            "history": self.history,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+        }
+
+    def _load_run_state(self, state: dict) -> None:
+        """Restore :meth:`_run_state`'s fields; the engine is given the learner's restored weights as the
+        checkpoint's engine version (the rollout runs the published weights) before the rollout's own state."""
+        if state.get("format") != 1:
+            raise ValueError(f"unsupported checkpoint format {state.get('format')!r}")
+        self.switch = SwitchPhase(state["switch_state"])
+        self.kept_groups = set(state["kept_groups"])
+        for key, value in state["stats"].items():
+            if key in RunStats.__dataclass_fields__:  # older checkpoints also held a wall-clock start
+                setattr(self.stats, key, value)
+        shards = state.get("shards") or {}
+        self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
+        self.buffer.load_state_dict(state["buffer"])
+        engine, version = self.rollout.engine, state["engine_version"]
+        engine.update_weights(weights_for_engine(self.learner.actor, engine, version), version)
+        self.rollout.load_state_dict(state["rollout"])
+        self.history = list(state["history"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+
+    def _at_cut(self) -> ContextManager:
+        """Held while the checkpoint is taken (the concurrent scheduler holds its rollout thread here)."""
+        return contextlib.nullcontext()
+
+    def save_checkpoint(self) -> Path:
+        """Write ``step_<N>.pt`` atomically with its SHA-256 checksum, point ``latest`` at it, then keep only
+        the newest ``keep_last`` checkpoints (:mod:`async_rl.driver.checkpoint`). Worker-group trainers
+        (``trainer.workers=ray``) write their model and optimizer shards into ``step_<N>.pt.shards/``, every
+        rank its own, committed by the same rename."""
+        shards = self.learner.save_model_shards if self.learner.model_state_sharded else None
+        with self._at_cut():
+            path = write_checkpoint(self.state_dict(), self.checkpoint_dir, self.learner.step, write_shards=shards)
+        prune_checkpoints(self.checkpoint_dir, self.learner.step, self.cfg.keep_last)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(path)
+        return path
+
+    def resume(self, path: Optional[str | Path] = None) -> bool:
+        """Continue from ``path``, or from the newest intact checkpoint of ``checkpoint_dir`` (call before
+        ``run``); False when there is none.
+
+        Without ``path``, a truncated or corrupt newest checkpoint (checksum or load failure) is skipped for
+        the previous one, with a printed message. Raises :class:`CheckpointError` when no checkpoint is
+        usable or the one read does not fit this run's config; a failed resume changes no file.
+        """
+        self.resumed_from = resume_checkpoint(self.load_state_dict, self.checkpoint_dir, path)
+        return self.resumed_from is not None
