@@ -42,19 +42,14 @@ import time
 from typing import Any, Optional
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest
-from async_rl.rollout.replica import (
-    ReplicaBrokenError,
-    VersionedTokenOutput,
-    empty_output,
-    sampling_from_server_dict,
-    versioned_reply,
-)
+from async_rl.rollout.replica import VersionedTokenOutput, empty_output, sampling_from_server_dict, versioned_reply
+from async_rl.rollout.server_base import ReplicaBrokenError, ServerBookkeeping
 
 # the fused worker's name for a RolloutWorker method: verl's "{role}_fwmn_{method}" (fused worker method name)
 ROLLOUT_METHOD_PREFIX = "rollout_fwmn_"
 
 
-class HFHybridServer:
+class HFHybridServer(ServerBookkeeping):
     """verl rollout-server methods for the hf engine fused into train rank ``replica_rank`` (a Ray async actor).
 
     Args:
@@ -68,25 +63,20 @@ class HFHybridServer:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.worker = worker
-        self.replica_rank = int(replica_rank)
+        self._init_bookkeeping(replica_rank, extra_counters=("chunks", "sleeps"))
         self.chunk_tokens = int(chunk_tokens)
         self._queued: list[GenerationRequest] = []  # not yet sent to the worker
         self._futures: dict[Any, asyncio.Future] = {}  # request id -> its generate() call
         self._worker_lock = asyncio.Lock()  # one call into the worker at a time
         self._kick = asyncio.Event()
-        self._paused = False
         self._rejecting = False
         self._asleep = False  # as the worker last reported
         self._num_unfinished = 0  # held by the worker, as it last reported
         self._version = 0
-        self._broken: Optional[str] = None
         self._stopped = False
         self._pump_task: Optional[asyncio.Task] = None
         self._start: Optional[asyncio.Task] = None
         self._info: dict[str, Any] = {}
-        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "tokens": 0, "weight_updates": 0,
-                         "paused_requests": 0, "chunks": 0, "sleeps": 0}
-        self.last_update_s = 0.0
 
     async def _call(self, method: str, *args: Any) -> Any:
         """One call into the worker's RolloutWorker; a failure breaks this replica (every waiter is failed)."""
@@ -173,9 +163,6 @@ class HFHybridServer:
         self._version, self._asleep = int(reply["version"]), False
         self._kick.set()
 
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
-        return await self.abort_requests([request_id])
-
     async def abort_requests(self, request_ids: list[Any]) -> dict[str, Any]:
         """Finish these requests as "aborted" (their ``generate`` calls return what they have)."""
         await self._ensure_started()
@@ -199,17 +186,15 @@ class HFHybridServer:
         await self._ensure_started()
         async with self._worker_lock:
             states = await self._call("hybrid_progress")
-        return {state["request_id"]: {"token_ids": state["token_ids"], "logprobs": state["logprobs"],
-                                      "versions": state["versions"]} for state in states}
+        return {state["request_id"]: self._progress_entry(state["token_ids"], state["logprobs"], state["versions"])
+                for state in states}
 
     async def ping(self) -> dict[str, Any]:
         """Health and progress (``pid``: the train rank's process, where the engine runs)."""
         await self._ensure_started()
         self._raise_if_broken()
-        return {"pid": self._info.get("pid"), "server_pid": os.getpid(), "replica_rank": self.replica_rank,
-                "mode": "hybrid", "version": self._version, "num_unfinished": len(self._futures),
-                "paused": self._paused, "asleep": self._asleep, "device": self._info.get("device"),
-                "counters": dict(self.counters), "last_update_s": self.last_update_s, "stalled_s": 0.0}
+        return {**self._ping_fields(self._info.get("pid"), self._version, len(self._futures), self._info.get("device")),
+                "server_pid": os.getpid(), "mode": "hybrid", "asleep": self._asleep}
 
     async def get_pid(self) -> int:
         await self._ensure_started()
@@ -252,15 +237,14 @@ class HFHybridServer:
 
     def _deliver(self, output: GenerationOutput) -> None:
         future = self._futures.pop(output.request_id, None)
-        self.counters["finished" if output.finish_reason != "aborted" else "aborted"] += 1
-        self.counters["tokens"] += len(output.token_ids)
+        self._count_delivered(output)
         if future is not None and not future.done():
             future.set_result(output)
 
     def _break(self, reason: str) -> None:
         if self._broken is not None:
             return
-        self._broken = reason
+        self._broken = f"its train worker failed: {reason}"
         error = ReplicaBrokenError(self._broken_message())
         for future in self._futures.values():
             if not future.done():
@@ -268,13 +252,8 @@ class HFHybridServer:
         self._futures.clear()
         self._queued = []
 
-    def _raise_if_broken(self) -> None:
-        if self._broken is not None:
-            raise ReplicaBrokenError(self._broken_message())
-
-    def _broken_message(self) -> str:
-        return (f"hybrid hf replica {self.replica_rank} (train rank pid {self._info.get('pid')}): its train worker "
-                f"failed: {self._broken}")
+    def describe(self) -> str:
+        return f"hybrid hf replica {self.replica_rank} (train rank pid {self._info.get('pid')})"
 
 
 __all__ = ["HFHybridServer", "ROLLOUT_METHOD_PREFIX"]

@@ -42,6 +42,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.checkpoint_engine import BACKEND_NAME, ObjectStoreCheckpointEngine
+from async_rl.rollout.server_base import ReplicaBrokenError, ServerBookkeeping
 
 ENGINE_NAMES = ("hf", "vllm", "sglang")
 # engines served by our own server classes (hf_engine / vllm_engine): pause keeps requests, per-token versions
@@ -61,10 +62,6 @@ _SAMPLING_KEYS = {
 }
 # accepted and ignored: the engine always records the sampled token's log-prob and keeps a matched stop string
 _IGNORED_SAMPLING_KEYS = ("logprobs", "include_stop_str_in_output", "detokenize")
-
-
-class ReplicaBrokenError(RuntimeError):
-    """The replica's decode loop failed; every call to it fails with this (the driver treats it as a dead replica)."""
 
 
 class VersionedTokenOutput(TokenOutput):
@@ -210,7 +207,7 @@ def empty_output(request: GenerationRequest) -> GenerationOutput:
     return GenerationOutput(request.request_id, list(request.prompt_ids), [], [], [], "aborted", "")
 
 
-class HFRolloutServer:
+class HFRolloutServer(ServerBookkeeping):
     """One :class:`HFRolloutEngine` behind verl's rollout-server methods (run as a Ray async actor).
 
     Args:
@@ -232,7 +229,7 @@ class HFRolloutServer:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if torch_threads:
             torch.set_num_threads(int(torch_threads))
-        self.replica_rank = int(replica_rank)
+        self._init_bookkeeping(replica_rank)
         self.chunk_tokens = int(chunk_tokens)
         self.engine = HFRolloutEngine(str(model_path), device=device, dtype=dtype, initial_version=initial_version)
         # published handles from the pool's own update always come through the object store; verl's
@@ -249,13 +246,8 @@ class HFRolloutServer:
         self._incoming: list[tuple[GenerationRequest, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._waiting: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._commands: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._paused = False
         self._rejecting = False
         self._stopped = False
-        self._loop_error: Optional[str] = None
-        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "tokens": 0, "weight_updates": 0,
-                         "paused_requests": 0}
-        self.last_update_s = 0.0
         self._last_iteration = time.monotonic()
         self._thread = threading.Thread(target=self._decode_loop, name=f"hf-replica-{replica_rank}", daemon=True)
         self._thread.start()
@@ -345,9 +337,6 @@ class HFRolloutServer:
     async def resume_kv_cache(self) -> None:
         """Nothing to allocate: the KV cache is rebuilt by the next prefill."""
 
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
-        return await self.abort_requests([request_id])
-
     async def abort_requests(self, request_ids: list[Any]) -> dict[str, Any]:
         """Finish these requests as "aborted" (their ``generate`` calls return what they have)."""
         wanted = set(request_ids)
@@ -371,8 +360,7 @@ class HFRolloutServer:
         """Tokens, log-probs and versions generated so far by every unfinished request, read at a token
         boundary (for monitoring, benchmarks and tests: while paused it is exactly the prefix that resumes)."""
         def read() -> dict[Any, dict[str, list]]:
-            return {state["request_id"]: {"token_ids": state["token_ids"], "logprobs": state["logprobs"],
-                                          "versions": state["versions"]}
+            return {state["request_id"]: self._progress_entry(state["token_ids"], state["logprobs"], state["versions"])
                     for state in self.engine.export_inflight()}
         return await self._run_in_decode_thread(read)
 
@@ -383,11 +371,9 @@ class HFRolloutServer:
         with self._cond:
             self._raise_if_broken()
             busy = bool(self._commands) or (not self._paused and (bool(self._incoming) or bool(self._waiting)))
-            return {"pid": os.getpid(), "replica_rank": self.replica_rank, "version": self.engine.policy_version,
-                    "num_unfinished": len(self._waiting) + len(self._incoming), "paused": self._paused,
-                    "device": str(self.engine.device), "counters": dict(self.counters),
-                    "last_update_s": self.last_update_s,
-                    "stalled_s": time.monotonic() - self._last_iteration if busy else 0.0}
+            return self._ping_fields(os.getpid(), self.engine.policy_version,
+                                     len(self._waiting) + len(self._incoming), str(self.engine.device),
+                                     stalled_s=time.monotonic() - self._last_iteration if busy else 0.0)
 
     def get_pid(self) -> int:
         return os.getpid()
@@ -423,7 +409,7 @@ class HFRolloutServer:
             import traceback
 
             with self._cond:
-                self._loop_error = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+                self._broken = f"its decode loop failed: {type(error).__name__}: {error}\n{traceback.format_exc()}"
                 waiters = list(self._waiting.values()) + [(loop, fut) for _, loop, fut in self._incoming] + \
                     [(loop, fut) for _, loop, fut in self._commands]
                 self._waiting.clear()
@@ -448,8 +434,7 @@ class HFRolloutServer:
 
     def _deliver(self, output: GenerationOutput) -> None:
         waiter = self._waiting.pop(output.request_id, None)
-        self.counters["finished" if output.finish_reason != "aborted" else "aborted"] += 1
-        self.counters["tokens"] += len(output.token_ids)
+        self._count_delivered(output)
         if waiter is not None:
             self._resolve(waiter[0], waiter[1], output)
 
@@ -476,12 +461,8 @@ class HFRolloutServer:
             self._cond.notify_all()
         return await future
 
-    def _raise_if_broken(self) -> None:
-        if self._loop_error is not None:
-            raise ReplicaBrokenError(self._broken_message())
-
-    def _broken_message(self) -> str:
-        return f"hf replica {self.replica_rank} (pid {os.getpid()}): its decode loop failed: {self._loop_error}"
+    def describe(self) -> str:
+        return f"hf replica {self.replica_rank} (pid {os.getpid()})"
 
     _empty_output = staticmethod(empty_output)
 

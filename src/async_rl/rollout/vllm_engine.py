@@ -40,8 +40,9 @@ import torch
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
-from async_rl.rollout.replica import (ReplicaBrokenError, VersionedTokenOutput, _receive_all, empty_output,
-                                      first_stop_string, sampling_from_server_dict, versioned_reply)
+from async_rl.rollout.replica import (VersionedTokenOutput, _receive_all, empty_output, first_stop_string,
+                                      sampling_from_server_dict, versioned_reply)
+from async_rl.rollout.server_base import ReplicaBrokenError, ServerBookkeeping
 
 KV_ON_UPDATE = ("recompute", "stale")
 CPU_MIN_HEAD_DIM = 32  # vLLM 0.27.1's CPU attention: "Unsupported CPU attention configuration: head_dim=16"
@@ -182,7 +183,7 @@ class _Request:
         self.cancelled = False
 
 
-class VLLMRolloutServer:
+class VLLMRolloutServer(ServerBookkeeping):
     """One ``AsyncLLM`` behind the hf server's method names (a Ray async actor; see the module docstring).
 
     Args:
@@ -200,7 +201,7 @@ class VLLMRolloutServer:
         if kv_on_update not in KV_ON_UPDATE:
             raise ValueError(f"rollout.vllm_kv_on_update={kv_on_update!r}; valid choices: {', '.join(KV_ON_UPDATE)}")
         self.model_path = str(model_path)
-        self.replica_rank = int(replica_rank)
+        self._init_bookkeeping(replica_rank, extra_counters=("resubmitted",))
         self.device = device
         self.kv_on_update = kv_on_update
         self.version = int(initial_version)
@@ -210,12 +211,7 @@ class VLLMRolloutServer:
         self._requests: dict[str, _Request] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._paused = False
         self._rejecting = False
-        self._broken: Optional[str] = None
-        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "tokens": 0, "weight_updates": 0,
-                         "paused_requests": 0, "resubmitted": 0}
-        self.last_update_s = 0.0
         self.start_s = 0.0
 
     async def start(self) -> dict[str, Any]:
@@ -414,9 +410,6 @@ class VLLMRolloutServer:
             await self.llm.abort(vllm_ids)
         return {"aborted_count": len(found), "request_ids": found}
 
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
-        return await self.abort_requests([request_id])
-
     async def release_kv_cache(self) -> None:
         """Nothing to release between updates (vLLM keeps its KV pool allocated)."""
 
@@ -425,8 +418,7 @@ class VLLMRolloutServer:
 
     async def progress(self) -> dict[Any, dict[str, list]]:
         """Tokens, log-probs and versions so far of every unfinished request (while paused: the kept prefix)."""
-        return {rid: {"token_ids": list(s.token_ids), "logprobs": list(s.logprobs), "versions": list(s.versions)}
-                for rid, s in self._requests.items()}
+        return {rid: self._progress_entry(s.token_ids, s.logprobs, s.versions) for rid, s in self._requests.items()}
 
     async def engine_pids(self) -> list[int]:
         """PIDs of vLLM's processes under this actor (engine core, workers): for fault tests."""
@@ -439,20 +431,14 @@ class VLLMRolloutServer:
         if self.llm is not None and self.llm.errored:
             self._broken = "vLLM's engine process is dead"
             self._raise_if_broken()
-        return {"pid": os.getpid(), "replica_rank": self.replica_rank, "version": self.version,
-                "num_unfinished": len(self._requests), "paused": self._paused, "device": self.device,
-                "counters": dict(self.counters), "last_update_s": self.last_update_s, "stalled_s": 0.0,
+        return {**self._ping_fields(os.getpid(), self.version, len(self._requests), self.device),
                 "kv_on_update": self.kv_on_update, "start_s": self.start_s}
 
     def get_pid(self) -> int:
         return os.getpid()
 
-    def _raise_if_broken(self) -> None:
-        if self._broken is not None:
-            raise ReplicaBrokenError(self._broken_message())
-
-    def _broken_message(self) -> str:
-        return f"vllm replica {self.replica_rank} (pid {os.getpid()}): {self._broken}"
+    def describe(self) -> str:
+        return f"vllm replica {self.replica_rank} (pid {os.getpid()})"
 
     async def shutdown(self) -> None:
         if self.llm is not None:
