@@ -12,10 +12,11 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutRep
 
 from async_rl.rollout.hybrid import HFHybridServer
 from async_rl.rollout.replica import ENGINE_NAMES, HFRolloutServer, ReplicaBrokenError
+from async_rl.rollout.server_base import OwnProcessReplica
 from async_rl.rollout.vllm_engine import VLLMReplica, require_vllm
 
 
-class HFReplica(RolloutReplica):
+class HFReplica(OwnProcessReplica):
     """verl ``RolloutReplica`` for the transformers engine (registered as ``"hf"``).
 
     ``rollout.mode=standalone`` (:meth:`init_standalone`): verl's version asks for GPU bundles and a
@@ -26,6 +27,8 @@ class HFReplica(RolloutReplica):
     supported (one process per replica): ``config.tensor_model_parallel_size`` etc. must be 1.
     """
 
+    KIND = "hf"
+
     def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 1, *, device: str = "cpu",
                  dtype: Optional[str] = None, torch_threads: Optional[int] = 1, chunk_tokens: int = 4,
                  num_cpus: float = 1.0, initial_version: int = 0, name_prefix: str = "async_rl",
@@ -34,23 +37,10 @@ class HFReplica(RolloutReplica):
         if self.world_size != 1:
             raise ValueError(f"rollout.engine=hf runs one process per replica: set tensor/data/pipeline parallel "
                              f"sizes to 1 (got world size {self.world_size}); use more replicas instead")
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"rollout device must be cpu or cuda, got {device!r}")
-        self.device = device
+        self._own_process_settings(device, num_cpus, initial_version, name_prefix, start_timeout_s)
         self.dtype = dtype
         self.torch_threads = torch_threads
         self.chunk_tokens = chunk_tokens
-        self.num_cpus = num_cpus
-        self.initial_version = initial_version
-        self.name_prefix = name_prefix
-        self.start_timeout_s = start_timeout_s
-
-    def rollout_worker_use_gpu(self) -> bool:
-        return self.device == "cuda"
-
-    async def init_standalone(self) -> None:
-        self.rollout_mode = RolloutMode.STANDALONE
-        await self.launch_servers()
 
     # init_hybrid(worker_group) is verl's, unchanged: it keeps this replica's slice of the fused train workers in
     # self.workers and calls launch_servers, which then starts an HFHybridServer in front of them.
@@ -60,27 +50,11 @@ class HFReplica(RolloutReplica):
             await self._launch_hybrid_server()
             return
         model_path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path")
-        server_cls = ray.remote(HFRolloutServer)
-        server = server_cls.options(
-            name=f"{self.name_prefix}_hf_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
-            max_concurrency=self.max_concurrency, num_cpus=self.num_cpus,
-            num_gpus=1 if self.device == "cuda" else 0,
-        ).remote(str(model_path), replica_rank=self.replica_rank, device=self.device, dtype=self.dtype,
-                 torch_threads=self.torch_threads, chunk_tokens=self.chunk_tokens,
-                 initial_version=self.initial_version,
-                 checkpoint_backend=self.config.checkpoint_engine.backend,
-                 checkpoint_bucket_megabytes=self.config.checkpoint_engine.update_weights_bucket_megabytes)
-        try:  # constructor errors (bad model path, ...) surface here; an unschedulable actor must not hang us
-            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
-        except asyncio.TimeoutError:
-            ray.kill(server, no_restart=True)
-            raise RuntimeError(
-                f"hf replica {self.replica_rank} did not start within {self.start_timeout_s:g} s (it needs "
-                f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; Ray has "
-                f"{ray.available_resources()}); start Ray with more CPUs or lower rollout.cpus_per_replica") from None
-        self.servers = [server]
-        self._server_handle = server
-        self.workers = [server]  # its own checkpoint-engine worker (verl's CheckpointEngineManager talks to it)
+        await self._start_own_server(
+            HFRolloutServer, "ping", str(model_path), replica_rank=self.replica_rank, device=self.device,
+            dtype=self.dtype, torch_threads=self.torch_threads, chunk_tokens=self.chunk_tokens,
+            initial_version=self.initial_version, checkpoint_backend=self.config.checkpoint_engine.backend,
+            checkpoint_bucket_megabytes=self.config.checkpoint_engine.update_weights_bucket_megabytes)
 
     async def _launch_hybrid_server(self) -> None:
         """``rollout.mode=hybrid``: one :class:`~async_rl.rollout.hybrid.HFHybridServer` (no CPU reserved, on the
@@ -110,10 +84,6 @@ class HFReplica(RolloutReplica):
                                f"rank") from error
         self.servers = [server]
         self._server_handle = server
-
-    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
-        results = await asyncio.gather(*[s.update_weights.remote(published, version) for s in self.servers])
-        return results[0]
 
 
 def _load_hf() -> type[RolloutReplica]:

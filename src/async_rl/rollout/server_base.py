@@ -1,11 +1,16 @@
 """What every rollout server keeps the same way (the hf standalone server in ``replica.py``, the hf hybrid server
 in ``hybrid.py``, the vLLM server in ``vllm_engine.py``): request counters, the broken state and its error, the
-fields of ``ping`` and ``progress``, and ``abort_request``. Each server adds only how it generates.
+fields of ``ping`` and ``progress``, and ``abort_request``. Each server adds only how it generates. Also the
+verl replica class of the servers that run in a process of their own (hf standalone, vLLM).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 from typing import Any, Optional
+
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from async_rl.rollout.base import GenerationOutput
 
@@ -60,3 +65,55 @@ class ServerBookkeeping:
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
         return await self.abort_requests([request_id])
+
+
+class OwnProcessReplica(RolloutReplica):
+    """A verl ``RolloutReplica`` whose engine is one server actor of ours (``num_cpus`` CPUs, one GPU on CUDA),
+    launched by :meth:`init_standalone` instead of verl's GPU bundles: the hf and vLLM replicas."""
+
+    KIND = "rollout"  # the engine's name in actor names and errors
+
+    def _own_process_settings(self, device: str, num_cpus: float, initial_version: int, name_prefix: str,
+                              start_timeout_s: float) -> None:
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"rollout device must be cpu or cuda, got {device!r}")
+        self.device, self.num_cpus, self.initial_version = device, num_cpus, initial_version
+        self.name_prefix, self.start_timeout_s = name_prefix, start_timeout_s
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    async def init_standalone(self) -> None:
+        self.rollout_mode = RolloutMode.STANDALONE
+        await self.launch_servers()
+
+    async def _start_own_server(self, server_cls: type, ready_method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start the server actor and wait for ``ready_method`` (constructor errors surface there); one that Ray
+        cannot schedule, or that does not answer in ``start_timeout_s``, is killed with an error naming what it
+        needs. The server is this replica's only server and its checkpoint-engine worker."""
+        import ray
+
+        server = ray.remote(server_cls).options(
+            name=f"{self.name_prefix}_{self.KIND}_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
+            max_concurrency=self.max_concurrency, num_cpus=self.num_cpus,
+            num_gpus=1 if self.device == "cuda" else 0,
+        ).remote(*args, **kwargs)
+        try:
+            await asyncio.wait_for(getattr(server, ready_method).remote(), timeout=self.start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(
+                f"{self.KIND} replica {self.replica_rank} did not start within {self.start_timeout_s:g} s (it needs "
+                f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; Ray has "
+                f"{ray.available_resources()}); start Ray with more CPUs or lower rollout.cpus_per_replica") from None
+        except BaseException:
+            ray.kill(server, no_restart=True)
+            raise
+        self.servers = [server]
+        self._server_handle = server
+        self.workers = [server]  # verl's CheckpointEngineManager talks to the server itself
+        return server
+
+    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
+        results = await asyncio.gather(*[s.update_weights.remote(published, version) for s in self.servers])
+        return results[0]

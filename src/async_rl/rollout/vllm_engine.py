@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.replica import (VersionedTokenOutput, _receive_all, empty_output, first_stop_string,
                                       sampling_from_server_dict, versioned_reply)
-from async_rl.rollout.server_base import ReplicaBrokenError, ServerBookkeeping
+from async_rl.rollout.server_base import OwnProcessReplica, ReplicaBrokenError, ServerBookkeeping
 
 KV_ON_UPDATE = ("recompute", "stale")
 CPU_MIN_HEAD_DIM = 32  # vLLM 0.27.1's CPU attention: "Unsupported CPU attention configuration: head_dim=16"
@@ -446,9 +445,11 @@ class VLLMRolloutServer(ServerBookkeeping):
             self.llm = None
 
 
-class VLLMReplica(RolloutReplica):
+class VLLMReplica(OwnProcessReplica):
     """verl ``RolloutReplica`` for :class:`VLLMRolloutServer` (``rollout.engine=vllm``): one server actor with
     ``num_cpus`` CPUs (and one GPU on CUDA); vLLM starts its engine-core/worker processes under it."""
+
+    KIND = "vllm"
 
     def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 1, *, device: str = "cpu",
                  num_cpus: float = 1.0, initial_version: int = 0, kv_on_update: str = "recompute",
@@ -456,53 +457,25 @@ class VLLMReplica(RolloutReplica):
                  start_timeout_s: float = 900.0) -> None:
         super().__init__(replica_rank, config, model_config, gpus_per_node=max(1, gpus_per_node))
         require_vllm()
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"rollout device must be cpu or cuda, got {device!r}")
+        self._own_process_settings(device, num_cpus, initial_version, name_prefix, start_timeout_s)
         if kv_on_update not in KV_ON_UPDATE:
             raise ValueError(f"rollout.vllm_kv_on_update={kv_on_update!r}; valid choices: {', '.join(KV_ON_UPDATE)}")
-        self.device, self.num_cpus, self.initial_version = device, num_cpus, initial_version
         self.kv_on_update, self.engine_options = kv_on_update, dict(engine_options or {})
-        self.name_prefix, self.start_timeout_s = name_prefix, start_timeout_s
         self.model_path = getattr(model_config, "local_path", None) or getattr(model_config, "path")
         check_model_for_vllm(str(self.model_path), device)  # before any process starts
         check_kv_cache_fits(str(self.model_path), device, self.engine_options)
 
-    def rollout_worker_use_gpu(self) -> bool:
-        return self.device == "cuda"
-
-    async def init_standalone(self) -> None:
-        self.rollout_mode = RolloutMode.STANDALONE
-        await self.launch_servers()
-
     async def launch_servers(self) -> None:
-        import ray
         from ray.exceptions import RayTaskError
 
-        server = ray.remote(VLLMRolloutServer).options(
-            name=f"{self.name_prefix}_vllm_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
-            max_concurrency=self.max_concurrency, num_cpus=self.num_cpus,
-            num_gpus=1 if self.device == "cuda" else 0,
-        ).remote(str(self.model_path), replica_rank=self.replica_rank, device=self.device,
-                 kv_on_update=self.kv_on_update, initial_version=self.initial_version,
-                 engine_options=self.engine_options)
         try:
-            await asyncio.wait_for(server.start.remote(), timeout=self.start_timeout_s)
-        except asyncio.TimeoutError:
-            ray.kill(server, no_restart=True)
-            raise RuntimeError(f"vllm replica {self.replica_rank} did not start within {self.start_timeout_s:g} s "
-                               f"(it needs {self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; "
-                               f"Ray has {ray.available_resources()})") from None
-        except RayTaskError as error:
-            ray.kill(server, no_restart=True)
+            await self._start_own_server(VLLMRolloutServer, "start", str(self.model_path),
+                                         replica_rank=self.replica_rank, device=self.device,
+                                         kv_on_update=self.kv_on_update, initial_version=self.initial_version,
+                                         engine_options=self.engine_options)
+        except RayTaskError as error:  # the engine's start-up failure, as the one line start() wrote
             lines = [line for line in str(error).splitlines() if line.strip()]
             raise RuntimeError(f"vllm replica {self.replica_rank}: {lines[-1].strip() if lines else error}") from None
-        self.servers = [server]
-        self._server_handle = server
-        self.workers = [server]
-
-    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
-        results = await asyncio.gather(*[s.update_weights.remote(published, version) for s in self.servers])
-        return results[0]
 
 
 __all__ = ["CPU_MIN_HEAD_DIM", "KV_ON_UPDATE", "VLLMReplica", "VLLMRolloutServer", "WorkerExtension",
