@@ -202,9 +202,10 @@ def lag0_checks(runs: list[dict]) -> list[dict]:
 
 
 def ablation(args) -> None:
-    """One (loss, k, lr, seed) cell trained with ``whiten_advantages`` false: does the advantage scale (whitening
-    to unit variance even when the batch has saturated) drive the cell's KL spike? The whitened run is the map's
-    own row for the cell (same seed, same code), read from stability_map.json when it is there."""
+    """One (loss, k, lr, seed) cell trained once per variant, each changing one algorithm setting: whitening off
+    (does the advantage scale, unit variance even when the batch has saturated, drive the cell's KL spike?) and
+    the DAPO overlong penalty off (the map's runs apply it, the algorithm default). The reference run is the
+    map's own row for the cell (same seed, same code), read from stability_map.json when it is there."""
     loss, cap, lr, seed = args.ablation.split(",")
     cell = (loss, int(cap), float(lr), int(seed))
     model = args.model or C.warm_model()
@@ -212,20 +213,22 @@ def ablation(args) -> None:
                "model": str(model), "steps": args.steps, "cell": dict(zip(("loss", "staleness_cap", "actor_lr",
                                                                            "seed"), cell)), "runs": []}
     started = time.perf_counter()
-    for whiten in (False,):
-        row = one_run((*cell, args.steps, str(model), {"whiten_advantages": whiten}))
-        payload["runs"].append({"whiten_advantages": whiten, **row})
+    defaults = {"whiten_advantages": True, "overlong_penalty": True}
+    for change in ({"whiten_advantages": False}, {"overlong_penalty": False}):
+        row = one_run((*cell, args.steps, str(model), change))
+        payload["runs"].append({**defaults, **change, "changed": change, **row})
     map_path = C.RESULTS / "stability_map.json"
     if map_path.exists():
         ref = next((r for r in json.loads(map_path.read_text())["runs"] if (r["loss"], r["staleness_cap"],
                     r["actor_lr"], r["seed"]) == cell and r["series"]["success"][:1]), None)
         if ref is not None:
-            payload["runs"].append({"whiten_advantages": True, "from": "stability_map.json", **ref})
+            payload["runs"].append({**defaults, "changed": {}, "from": "stability_map.json", **ref})
     payload["elapsed_s"] = time.perf_counter() - started
     C.save_json("stability_ablation", payload)
     for r in payload["runs"]:
-        print(f"whiten {r['whiten_advantages']}: final {r['final_success']:.2f} max {r['max_success']:.2f} "
-              f"collapse {r['collapse_step']} peak kl {r['peak_kl']:.3f} peak length {r['peak_response_length']:.1f}")
+        print(f"changed {r['changed'] or 'nothing (the map run)'}: final {r['final_success']:.2f} "
+              f"max {r['max_success']:.2f} collapse {r['collapse_step']} peak kl {r['peak_kl']:.3f} "
+              f"peak length {r['peak_response_length']:.1f}")
 
 
 def main() -> None:
@@ -239,8 +242,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="keep the runs in the saved JSON, train the rest")
     parser.add_argument("--first", default="", metavar="LOSS,K,LR,SEED;...", help="train these cells first")
     parser.add_argument("--ablation", default=None, metavar="LOSS,K,LR,SEED",
-                        help="instead of the grid: one cell with and without whitened advantages "
-                             "(writes stability_ablation.json)")
+                        help="instead of the grid: one cell without whitened advantages, and without the "
+                             "overlong penalty (writes stability_ablation.json)")
     args = parser.parse_args()
     if args.ablation:
         ablation(args)
