@@ -35,6 +35,10 @@ import time
 import _common as C
 
 B = 32
+# both arms' actor lr: inside the stability map's safe region (docs/algorithms.md, Stability). At _common's 1e-3,
+# LiSAO's DIS collapsed in 3 of the 4 grid runs of commit dc61639 (results/group_vs_single_lr0.001.json), and a
+# collapsed arm's responses (57-63 model tokens against 13) would be read as a scheduling effect
+ACTOR_LR = 3e-4
 ARMS = [
     ("GRPO n=4", "grpo", {"group_size": 4}),
     ("LiSAO n=1", "lisao", {"group_size": 1, "critic_warmup_steps": 0}),
@@ -129,7 +133,8 @@ def main_long_tail(args) -> dict:
         for arm, algo, overrides in arms:
             label = f"{arm}, {scheduler}"
             run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
-                                  algo_overrides=overrides, scheduler=scheduler, long_tail=LONG_TAIL_DEFAULT,
+                                  algo_overrides={**overrides, "actor_lr": args.actor_lr}, scheduler=scheduler,
+                                  long_tail=LONG_TAIL_DEFAULT,
                                   driver_overrides={"synchronous": False, "max_inflight_trajectories": B,
                                                     "update_ticks": 1})
             row = summarize(run, B, 1)
@@ -153,7 +158,7 @@ def main_long_tail(args) -> dict:
         "quick": args.quick,
         "setup": {"batch_trajectories": B, "steps": steps, "seed": args.seed, "staleness_cap": 4, "chunk_tokens": 8,
                   "update_ticks": 1, "max_inflight_trajectories": B, "env": "toy_keys, long-tailed variant",
-                  "lisao_critic_warmup_steps": 0, "model": C.MODEL_DESCRIPTION},
+                  "lisao_critic_warmup_steps": 0, "actor_lr": args.actor_lr, "model": C.MODEL_DESCRIPTION},
         "length_distribution": length_distribution({**LONG_TAIL_DEFAULT, "seed": args.seed}),
         "single_over_group": ratios("deterministic", "sim_ticks_per_step"),
         "single_over_group_concurrent": ratios("concurrent", "wall_s_per_step"),
@@ -162,7 +167,7 @@ def main_long_tail(args) -> dict:
         "total_benchmark_wall_s": time.perf_counter() - started,
         "machine": machine,
     }
-    path = C.save_json(C.result_stem("group_vs_single_longtail", args.quick), results)
+    path = C.save_json(C.result_stem("group_vs_single_longtail" + _lr_suffix(args), args.quick), results)
     C.print_table([[r["label"], r["sim_ticks_per_step"] if r["sim_clock_ticks"] else "-", r["wall_s_per_step"],
                     r["mean_policy_lag"], r["dropped_stale"], r["response_length_mean"], r["accuracy_final_20pct"]]
                    for r in rows], ["run", "ticks/step", "wall s/step", "mean lag", "dropped", "resp len", "final acc"])
@@ -176,11 +181,18 @@ def main_long_tail(args) -> dict:
     return results
 
 
+def _lr_suffix(args) -> str:
+    """Results of a non-default actor lr get their own files (e.g. group_vs_single_lr0.001.json)."""
+    return "" if args.actor_lr == ACTOR_LR else f"_lr{args.actor_lr:g}"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, in-flight B only (~1 min)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 36; quick 12)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--actor-lr", type=float, default=ACTOR_LR,
+                        help=f"both arms (default {ACTOR_LR:g}); another value writes results named _lr<value>")
     parser.add_argument("--long-tail", action="store_true",
                         help="long-tailed lengths, group of 8 vs single, both schedulers (module docstring)")
     args = parser.parse_args(argv)
@@ -204,7 +216,7 @@ def main(argv=None) -> dict:
         for arm, algo, overrides in ARMS:
             label = f"{arm}, in-flight {'B' if inflight == B else '2B'}, update_ticks={ut}"
             run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
-                                  algo_overrides=overrides,
+                                  algo_overrides={**overrides, "actor_lr": args.actor_lr},
                                   driver_overrides={"synchronous": False, "max_inflight_trajectories": inflight,
                                                     "update_ticks": ut},
                                   on_step=lambda m: bar.update(1))
@@ -231,7 +243,7 @@ def main(argv=None) -> dict:
         "quick": args.quick,
         "setup": {"batch_trajectories": B, "steps": steps, "seed": args.seed, "staleness_cap": 4, "chunk_tokens": 8,
                   "update_ticks": regimes, "max_inflight_trajectories": capacities, "env": "toy_keys",
-                  "lisao_critic_warmup_steps": 0,
+                  "lisao_critic_warmup_steps": 0, "actor_lr": args.actor_lr,
                   "model": "tiny Qwen2 (hidden 64, 2 layers), SFT warm start on toy_keys"},
         "clock_model": "1 tick = one 8-token generation chunk for every live request; 1 trainer update = "
                        "update_ticks ticks (4: trainer-bound, 1: rollout-bound)",
@@ -240,7 +252,7 @@ def main(argv=None) -> dict:
         "total_benchmark_wall_s": time.perf_counter() - started,
         "machine": machine,
     }
-    stem = C.result_stem("group_vs_single", args.quick)
+    stem = C.result_stem("group_vs_single" + _lr_suffix(args), args.quick)
     json_path = C.save_json(stem, results)
     png = C.RESULTS / f"{stem}.png"
     plot(rows, runs, png)

@@ -34,6 +34,8 @@ RESULT_SOURCES: dict[str, list[str]] = {
     "group_vs_single.json": ["benchmarks/group_vs_single.py", *_TRAINING],
     "group_vs_single.png": ["benchmarks/group_vs_single.py", *_TRAINING],
     "group_vs_single_longtail.json": ["benchmarks/group_vs_single.py", *_TRAINING],
+    "group_vs_single_lr0.001.json": ["benchmarks/group_vs_single.py", *_TRAINING],
+    "group_vs_single_lr0.001.png": ["benchmarks/group_vs_single.py", *_TRAINING],
     "memory_model.json": ["benchmarks/memory_model.py", "src/async_rl/engine", "src/async_rl/models"],
     "peak_memory.json": ["benchmarks/peak_memory.py", "benchmarks/memory_model.py", "src/async_rl/engine",
                          "src/async_rl/models"],
