@@ -43,6 +43,7 @@ RESULT_SOURCES: dict[str, list[str]] = {
     "rollout_throughput.json": ["benchmarks/rollout_throughput.py", "src/async_rl/rollout/base.py",
                                 "src/async_rl/rollout/hf_engine.py"],
     "sapo_vs_ppo.json": ["benchmarks/sapo_vs_ppo.py", *_TRAINING],
+    "sapo_vs_ppo_h256_l4.json": ["benchmarks/sapo_vs_ppo.py", *_TRAINING],
     "demo_rollout_hybrid.txt": ["conf", *_ROLLOUT, *_TRAINING],
     "demo_rollout_replicas.txt": ["conf", *_ROLLOUT, *_TRAINING],
     "install_vllm_dry_run.txt": ["Makefile", "pyproject.toml"],

@@ -5,7 +5,7 @@ subprocess so peak resident memory (ru_maxrss) is per run. Model-state bytes cou
 and optimizer states of every *trained* model (SAPO: the policy; PPO: actor + critic); ``all_copies_bytes``
 adds every other copy either method keeps: SAPO's frozen reference policy for the KL term and the rollout
 engine's copy of the policy (parameters and buffers).
-Prints ratios and saves JSON to benchmarks/results/sapo_vs_ppo.json.
+Prints ratios and saves JSON to benchmarks/results/sapo_vs_ppo.json (another size: sapo_vs_ppo_h<H>_l<L>.json).
 
     .venv/bin/python benchmarks/sapo_vs_ppo.py [--steps 20] [--hidden-size 128] [--layers 4]
 """
@@ -126,8 +126,11 @@ def main() -> None:
                "model": {"hidden_size": args.hidden_size, "layers": args.layers},
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                            **git_provenance()}}
-    (RESULTS / "sapo_vs_ppo.json").write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"saved {RESULTS / 'sapo_vs_ppo.json'}")
+    # the default size keeps the historical name; another size gets its own file (sapo_vs_ppo_h256_l4.json)
+    default = (args.hidden_size, args.layers) == (128, 4)
+    path = RESULTS / ("sapo_vs_ppo.json" if default else f"sapo_vs_ppo_h{args.hidden_size}_l{args.layers}.json")
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":
