@@ -117,11 +117,8 @@ def main() -> None:
             results = {engine: run_engine(engine, model, args) for engine in ("hf", "vllm")}
     finally:
         ray.shutdown()
-    import subprocess
-
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=Path(__file__).resolve().parents[1],
-                                capture_output=True, text=True).stdout.strip())
-    payload = {"benchmark": "rollout_engines", "machine": machine_info(), "git_dirty": dirty, "new_tokens": args.new_tokens,
+    # machine_info() carries git_commit and git_dirty (_common.git_provenance: tracked code only)
+    payload = {"benchmark": "rollout_engines", "machine": machine_info(), "new_tokens": args.new_tokens,
                "batches": list(BATCHES), "model": "tiny Qwen2, hidden 64, 2 layers, 2 heads, 1 KV head, fp32",
                "engines": results}
     path = save_json("rollout_engines", payload)

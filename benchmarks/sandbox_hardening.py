@@ -12,7 +12,6 @@ made from the same ``sandbox_uid``. Writes ``results/sandbox_hardening.json`` wi
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _common import REPO, machine_info, save_json  # noqa: E402
+from _common import machine_info, save_json  # noqa: E402
 from test_sandbox_attacks import SOCKET_BUFFER_OOM  # noqa: E402  (the issue's reproducer, one copy)
 
 from async_rl.sandbox import LocalSandbox  # noqa: E402
@@ -67,9 +66,7 @@ def flood_files(stdout: str) -> int:
 
 
 def main() -> None:
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip())
-    machine = machine_info()
-    machine["git_dirty"] = dirty
+    machine = machine_info()  # git_commit and git_dirty (_common.git_provenance: tracked code only)
     sandbox = LocalSandbox(timeout_s=10, memory_limit_mb=1024, max_processes=64, max_concurrency=1, sandbox_uid=65400,
                            sandbox_gid=65400)
     isolation = sandbox.isolation
