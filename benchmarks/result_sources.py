@@ -40,6 +40,7 @@ RESULT_SOURCES: dict[str, list[str]] = {
     "peak_memory.json": ["benchmarks/peak_memory.py", "benchmarks/memory_model.py", "src/async_rl/engine",
                          "src/async_rl/models"],
     "rollout_replicas.json": ["benchmarks/rollout_replicas.py", *_ROLLOUT],
+    "replica_profile.json": ["benchmarks/replica_profile.py", "benchmarks/rollout_replicas.py", *_ROLLOUT],
     "rollout_throughput.json": ["benchmarks/rollout_throughput.py", "src/async_rl/rollout/base.py",
                                 "src/async_rl/rollout/hf_engine.py"],
     "sapo_vs_ppo.json": ["benchmarks/sapo_vs_ppo.py", *_TRAINING],

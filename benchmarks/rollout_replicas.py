@@ -48,7 +48,9 @@ def perturbed_weights(model_path: str, seed: int) -> dict[str, torch.Tensor]:
     return {name: t + 0.01 * torch.randn(t.shape, generator=generator) for name, t in model.state_dict().items()}
 
 
-def run_one(model_path: str, replicas: int, args, mode: str = "standalone") -> dict:
+def run_one(model_path: str, replicas: int, args, mode: str = "standalone", hooks=None) -> dict:
+    """One arm. ``hooks`` (optional) gets ``start(pool)`` after the warm-up, right before the timed stream, and
+    ``stop(pool)`` right after it (``replica_profile.py`` samples the processes in between)."""
     import ray
 
     from async_rl.rollout.base import GenerationRequest, SamplingParams
@@ -79,6 +81,8 @@ def run_one(model_path: str, replicas: int, args, mode: str = "standalone") -> d
         submitted, finished, snapshots, latencies = 0, {}, [], []
         # publish when these many requests have finished: spread over the run
         due = [round(args.requests * (k + 1) / (args.updates + 1)) for k in range(args.updates)]
+        if hooks is not None:
+            hooks.start(pool)
         started = time.perf_counter()
         while len(finished) < args.requests:
             while submitted < args.requests and pool.num_unfinished < args.inflight:
@@ -99,6 +103,8 @@ def run_one(model_path: str, replicas: int, args, mode: str = "standalone") -> d
                 pool.update_weights(handles[version - 1], version)
                 latencies.append(time.perf_counter() - t0)
         elapsed = time.perf_counter() - started
+        if hooks is not None:
+            hooks.stop(pool)
     finally:
         pool.shutdown()
         if groups is not None:
