@@ -298,3 +298,23 @@ def test_synchronous_baseline_is_on_policy(tiny_model):
     assert [m["async/policy_lag/max"] for m in history] == [0.0, 0.0, 0.0]
     async_driver = _build(tiny_model, algo, steps=3)
     assert max(m["async/policy_lag/max"] for m in async_driver.run()) > 0
+
+
+def test_idle_fractions_mean_the_same_in_both_schedulers(tiny_model):
+    """``perf/*_idle_frac`` are fractions of real time in both schedulers; the simulated clock's own fractions
+    are ``sim/*_idle_frac``, logged by the deterministic scheduler only and equal to its tick counts."""
+    algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
+    deterministic = _build(tiny_model, algo, steps=3)
+    seen = []  # the tick counters at the moment each step's metrics were recorded
+    deterministic.on_step = lambda m: seen.append((m, deterministic.stats.ticks, deterministic.stats.trainer_busy_ticks,
+                                                   deterministic.stats.rollout_busy_ticks))
+    last = deterministic.run()[-1]
+    for metrics, ticks, trainer_busy, rollout_busy in seen:
+        assert metrics["sim/trainer_idle_frac"] == 1.0 - trainer_busy / max(ticks, 1)
+        assert metrics["sim/rollout_idle_frac"] == 1.0 - rollout_busy / max(ticks, 1)
+    # one process, training and generating in turn: the two real-time busy shares cannot exceed the wall time
+    assert (1 - last["perf/trainer_idle_frac"]) + (1 - last["perf/rollout_idle_frac"]) <= 1.0 + 1e-6
+    concurrent = _build_concurrent(tiny_model, algo, steps=3, max_inflight_trajectories=8)
+    for row in (last, concurrent.run()[-1]):
+        assert 0.0 <= row["perf/trainer_idle_frac"] < 1.0 and 0.0 <= row["perf/rollout_idle_frac"] <= 1.0
+    assert not any(key.startswith("sim/") for row in concurrent.history for key in row)

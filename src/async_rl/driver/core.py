@@ -14,6 +14,7 @@ batch has trained, and the rollout's group size when the kept job has been recei
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import random
@@ -138,8 +139,9 @@ class RealTime:
         return max(time.perf_counter() - self.start, 1e-9)
 
 
-class RunCore:
-    """State and steps of one run; subclasses schedule them. ``cfg.validate`` runs here."""
+class RunCore(abc.ABC):
+    """State and steps of one run; subclasses schedule them and say what a checkpoint adds (``state_dict``).
+    ``cfg.validate`` runs here."""
 
     def __init__(self, cfg: DriverConfig, learner: Learner, rollout: RolloutManager, *,
                  on_step: Optional[Callable[[dict], None]] = None, checkpoint_dir: Optional[str | Path] = None):
@@ -252,11 +254,13 @@ class RunCore:
         return bool(self.checkpoint_dir and self.cfg.checkpoint_every
                     and self.learner.step % self.cfg.checkpoint_every == 0)
 
+    @abc.abstractmethod
     def state_dict(self) -> dict:
-        raise NotImplementedError
+        """The checkpoint: :meth:`_run_state` plus the scheduler's own fields."""
 
+    @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError
+        """Inverse of :meth:`state_dict` (:meth:`_load_run_state` plus the scheduler's own fields)."""
 
     def _run_state(self, engine_version: int) -> dict:
         """The checkpoint fields both schedulers share (format 1): switch, stats, learner, buffer, rollout, the

@@ -6,6 +6,7 @@ verl replica class of the servers that run in a process of their own (hf standal
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import os
 from typing import Any, Optional
@@ -19,7 +20,7 @@ class ReplicaBrokenError(RuntimeError):
     """The replica's engine failed; every later call fails with this (the pool treats it as a dead replica)."""
 
 
-class ServerBookkeeping:
+class ServerBookkeeping(abc.ABC):
     """Counters, broken state and the shared verl server methods. ``describe`` names the server in errors
     (e.g. ``"hf replica 0 (pid 123)"``); ``extra_counters`` are the server's own counters."""
 
@@ -32,8 +33,9 @@ class ServerBookkeeping:
         self._paused = False
 
     # ------------------------------------------------------------------ failure
+    @abc.abstractmethod
     def describe(self) -> str:
-        raise NotImplementedError
+        """The server in errors, e.g. ``"hf replica 0 (pid 123)"``."""
 
     def _broken_message(self) -> str:
         return f"{self.describe()}: {self._broken}"
@@ -60,8 +62,9 @@ class ServerBookkeeping:
         return {"token_ids": list(token_ids), "logprobs": list(logprobs), "versions": list(versions)}
 
     # ------------------------------------------------------------------ verl server interface
+    @abc.abstractmethod
     async def abort_requests(self, request_ids: list[Any]) -> dict[str, Any]:
-        raise NotImplementedError
+        """Finish these requests as "aborted" (their ``generate`` calls return what they have)."""
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
         return await self.abort_requests([request_id])
