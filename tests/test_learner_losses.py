@@ -109,3 +109,51 @@ def test_train_step_reports_publication_and_the_gate_as_fields_not_metrics():
     results = [learner.train_step(batch) for _ in range(2)]
     assert [r.gate_opened for r in results] == [False, True]
     assert [r.metrics.get("li2sao/gate_opened") for r in results] == [None, 1.0]
+
+
+def test_the_learner_takes_its_estimator_from_the_registry_by_plan():
+    """Every algorithm's plan names registered estimators; a plan swapped to another estimator changes what the
+    actor receives (the Learner reads the registry, it does not branch on the algorithm's name)."""
+    import pytest
+
+    from async_rl.driver import estimators
+
+    for name, plan in estimators.ALGORITHM_PLANS.items():
+        if not plan.shared_backbone:
+            assert plan.grouped_estimator in estimators.ESTIMATORS and plan.single_estimator in estimators.ESTIMATORS
+    with pytest.raises(ValueError, match="no estimator 'nope'; registered: gae, grpo_group, li2sao_bootstrap"):
+        estimators.get_estimator("nope")
+    with pytest.raises(RuntimeError, match="registered twice"):
+        estimators.register_estimator("gae")(lambda *a: None)
+
+    seen = []
+
+    def constant(batch, old_values, group_ids, cfg):
+        seen.append(group_ids)
+        return estimators.Estimate(torch.full(batch["responses"].shape, 7.0) * batch["response_mask"])
+
+    estimators.ESTIMATORS["test_constant"] = constant
+    original = estimators.ALGORITHM_PLANS["grpo"]
+    try:
+        estimators.ALGORITHM_PLANS["grpo"] = estimators.AlgorithmPlan("test_constant", "test_constant")
+        actor = RecordingActor()
+        cfg = AlgorithmConfig(name="grpo", group_size=2, train_batch_trajectories=2)
+        Learner(cfg, actor, None, pad_token_id=0).train_step([_traj(0, "g", 1.0, 2, 2), _traj(1, "g", 0.0, 2, 2)])
+        assert seen == [["g", "g"]] and float(actor.calls[0]["advantages"].max()) == 7.0
+    finally:
+        estimators.ALGORITHM_PLANS["grpo"] = original
+        del estimators.ESTIMATORS["test_constant"]
+
+
+def test_li2sao_plan_switches_estimator_and_loss_with_the_phase():
+    cfg = AlgorithmConfig(name="li2sao", group_size=2, train_batch_trajectories=2, use_critic=True,
+                          policy_loss="dis_clip", critic_updates_per_batch=1)
+    actor, critic = RecordingActor(), RecordingCritic()
+    learner = Learner(cfg, actor, critic, pad_token_id=0)
+    learner.train_step([_traj(0, "g0", 1.0, group_size=2), _traj(1, "g0", 0.0, group_size=2)])
+    learner.switch_to_single_rollout()
+    learner.train_step([_traj(2, "a", 1.0), _traj(3, "b", 0.0)])
+    assert [c["loss_mode"] for c in actor.calls] == ["dis_clip", "dis"]
+    # bootstrap: clipped residual loss with ranking; after the switch: plain squared error on absolute returns
+    assert [(c["clip_eps"], c["ranking"] is not None) for c in critic.calls] == [(0.2, True), (None, False)]
+    assert torch.equal(critic.calls[1]["targets"][0], torch.ones(3))  # G = R = 1 on every model token

@@ -69,6 +69,12 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> dict[str, torc
     }
 
 
+def mark_current_version(batch: dict[str, torch.Tensor], policy_version: int) -> None:
+    """Adds ``current_version_mask`` ``(bs, T)``: tokens sampled by the trainer's current weights, for the
+    engine-vs-trainer mismatch metrics (docs/metrics.md)."""
+    batch["current_version_mask"] = batch["token_versions"] == policy_version
+
+
 # ----------------------------------------------------------------------------------------------------
 # SAPO's turn tensors (spec §5): built in the driver, which holds the trajectories
 # ----------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""One training step per batch for GRPO, LiSAO, Li2SAO and PPO (spec §2-§4): advantages, critic passes,
-actor update. Reads top to bottom; all equations come from :mod:`async_rl.algos`.
+"""One training step per batch (spec §2-§5): the algorithm's estimator (:mod:`async_rl.driver.estimators`),
+critic passes, actor update, Li2SAO's gate. Reads top to bottom; the equations live in :mod:`async_rl.algos`.
 """
 
 from __future__ import annotations
@@ -8,18 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from async_rl.algos import (
-    ReadinessGate,
-    bootstrap_returns,
-    broadcast_to_tokens,
-    divergence_mask,
-    grpo_group_advantage,
-    residual_critic_targets,
-    sao_gae,
-    skip_observation_gae,
-)
+from async_rl.algos import ReadinessGate
 from async_rl.config import AlgorithmConfig
-from async_rl.driver.batch import batch_metrics, collate, critic_explained_variance, readiness_metrics
+from async_rl.driver.batch import batch_metrics, collate, mark_current_version
+from async_rl.driver.estimators import get_estimator, plan_for
 from async_rl.driver.kl_guard import KLGuard
 from async_rl.driver.trajectory import Trajectory
 from async_rl.workers.roles import ActorRole, CriticRole
@@ -47,8 +39,9 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.policy_version = 0  # number of actor updates so far = version of the trainer's weights
         self.step = 0  # batches consumed
-        self.phase = "bootstrap" if cfg.name == "li2sao" else "main"
-        self.gate = ReadinessGate(**vars(cfg.gate)) if cfg.name == "li2sao" else None
+        self.plan = plan_for(cfg.name)
+        self.phase = "bootstrap" if self.plan.gated else "main"
+        self.gate = ReadinessGate(**vars(cfg.gate)) if self.plan.gated else None
         self.kl_guard = KLGuard(cfg.kl_warn_threshold, kept_threshold=cfg.kl_warn_kept_threshold)
         # checkpoints: None = sharded model state exactly for worker-group trainers (see model_state_sharded)
         self.shard_model_state: Optional[bool] = None
@@ -58,61 +51,35 @@ class Learner:
         """Consume one batch; returns its metrics and whether to publish or begin the Li2SAO switch."""
         cfg = self.cfg
         batch = collate(trajectories, self.pad_token_id)
-        mask = batch["response_mask"]
         group_ids = [t.group_id for t in trajectories]
-        scores = batch["scores"]
-        rewards = batch["token_level_rewards"]
         group_sizes = {t.group_size for t in trajectories}
         if len(group_sizes) != 1:
             raise RuntimeError(f"a batch mixed group sizes {sorted(group_sizes)}; the buffer must prevent this")
         grouped = group_sizes.pop() > 1
         metrics = batch_metrics(trajectories, batch, self.policy_version)
-        if cfg.name == "sapo":
+        if self.plan.shared_backbone:
             return self._sapo_step(trajectories, batch, metrics)
 
         old_values = self.critic.values(batch) if self.critic is not None else None
-        critic_targets = critic_mask = None
-        ranking = None
-
-        # ---------------- advantages and critic targets -----------------------------------------------
-        if cfg.name == "grpo":
-            advantages = broadcast_to_tokens(grpo_group_advantage(scores, group_ids, cfg.grpo_epsilon), mask)
-        elif cfg.name == "li2sao" and grouped:  # bootstrap (spec §4)
-            advantages = broadcast_to_tokens(grpo_group_advantage(scores, group_ids, cfg.grpo_epsilon), mask)
-            returns = bootstrap_returns(scores, mask, cfg.gamma)  # λ = 1, terminal reward: Ĝ_t = γ^k R
-            critic_targets, keep = residual_critic_targets(returns, scores, group_ids, mask)
-            critic_mask = divergence_mask(batch["responses"], mask, scores, group_ids,
-                                          batch["response_attention"]) * keep.unsqueeze(1)
-            ranking = {"scores": scores, "group_ids": group_ids, "margin": cfg.rank_margin, "coef": cfg.rank_coef}
-            metrics.update(readiness_metrics(old_values, scores, group_ids, mask))
-            metrics.update(critic_explained_variance(old_values, critic_targets, mask * keep.unsqueeze(1),
-                                                     critic_mask))
-            value_clip = cfg.value_clip  # Eq. 10: clipped residual loss
-        else:  # single-rollout GAE: LiSAO, Li2SAO after the switch, PPO
-            if cfg.gae_lambda is None:
-                advantages, returns = sao_gae(rewards, old_values, mask, alpha=cfg.gae_alpha, gamma=cfg.gamma,
-                                              whiten=cfg.whiten_advantages)
-            else:
-                advantages, returns = skip_observation_gae(rewards, old_values, mask, lam=cfg.gae_lambda,
-                                                           gamma=cfg.gamma, whiten=cfg.whiten_advantages)
-            critic_targets, critic_mask = returns, mask
-            metrics.update(critic_explained_variance(old_values, returns, mask, None))
-            # Eq. 5: the critic fits absolute returns with plain squared error (clipping is an ablation)
-            value_clip = cfg.value_clip if cfg.clip_absolute_value_loss else None
+        estimator = self.plan.grouped_estimator if grouped else self.plan.single_estimator
+        estimate = get_estimator(estimator)(batch, old_values, group_ids, cfg)
+        metrics.update(estimate.metrics)
 
         # ---------------- critic: K passes with V_old frozen once per batch ----------------------------
         if self.critic is not None:
+            if estimate.critic_targets is None:
+                raise RuntimeError(f"estimator {estimator!r} gives no critic targets, but {cfg.name} has a critic")
             for _ in range(cfg.critic_updates_per_batch):
-                critic_metrics = self.critic.update(batch, critic_targets, critic_mask, old_values,
-                                                    value_clip, ranking)
+                critic_metrics = self.critic.update(batch, estimate.critic_targets, estimate.critic_mask,
+                                                    old_values, estimate.value_clip, estimate.ranking)
             metrics.update(critic_metrics)
 
         # ---------------- actor -----------------------------------------------------------------------
         frozen = self.step < cfg.critic_warmup_steps
         if not frozen:
             loss_mode = self._policy_loss()
-            batch["current_version_mask"] = batch["token_versions"] == self.policy_version  # mismatch metrics
-            metrics.update(self.actor.update(batch, advantages, loss_mode, cfg.clip.clip_ratio_low,
+            mark_current_version(batch, self.policy_version)
+            metrics.update(self.actor.update(batch, estimate.advantages, loss_mode, cfg.clip.clip_ratio_low,
                                              cfg.clip.clip_ratio_high, cfg.dis.low, cfg.dis.high,
                                              loss_agg_mode=cfg.loss_agg_mode))
             self.policy_version += 1
@@ -150,9 +117,8 @@ class Learner:
         return StepResult(metrics, actor_updated=True)
 
     def _policy_loss(self) -> str:
-        if self.cfg.name == "li2sao":
-            return "dis_clip" if self.phase == "bootstrap" else "dis"
-        return self.cfg.policy_loss
+        phase_loss = self.plan.bootstrap_loss if self.phase == "bootstrap" else self.plan.single_loss
+        return phase_loss or self.cfg.policy_loss
 
     def switch_to_single_rollout(self) -> None:
         """Li2SAO's one-way switch (spec §4): called by the driver once the prefetched job is done."""
