@@ -133,7 +133,9 @@ def test_tokens_between_an_update_and_its_publication_keep_the_old_version_and_e
               what="decoding under the old copy after the actor changed")
         ray.get(server.abort_all_requests.remote())  # pause to read the exact prefix that resumes
         prefix = ray.get(server.progress.remote())["p0/r0/turn0"]["token_ids"]
-        pool.update_weights(None, 1)  # hybrid: whatever is passed, the replica copies the actor's weights in
+        with pytest.raises(ValueError, match="this pool takes only the version"):
+            pool.update_weights(new, 1)  # a state dict would be ignored: refused, naming the strategy
+        pool.update_weights(None, 1)  # hybrid: only the version travels; the replica copies the actor's weights in
         output = _wait(lambda: (pool.step() or [None])[0], timeout_s=120, what="the response")
     finally:
         groups.shutdown()

@@ -181,6 +181,8 @@ def test_a_response_spanning_three_weight_versions_keeps_its_prefix_and_exact_be
     try:
         pool.add_requests([_request("p0/r0/turn0", prompt, max_new_tokens=RESPONSE, seed=5)])
         prefixes = []
+        with pytest.raises(ValueError, match="a published handle or a state dict"):
+            pool.update_weights(None, 1)  # these replicas load what they are sent: a version alone is refused
         for version in (1, 2):
             _wait_for_tokens(server, "p0/r0/turn0", at_least=(len(prefixes[-1]) if prefixes else 0) + 8)
             ray.get(server.abort_all_requests.remote())  # pause here to read the exact prefix that will resume

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from async_rl.config import AlgorithmConfig
-from async_rl.driver.driver import DeterministicDriver, DriverConfig, weights_for_engine
+from async_rl.driver.driver import DeterministicDriver, DriverConfig
 from async_rl.driver.episode import ChatFormatter, EpisodeLimits
 from async_rl.driver.learner import Learner
 from async_rl.driver.prompts import PromptStream
@@ -26,6 +26,7 @@ from async_rl.models.loading import load_causal_lm, load_tokenizer
 from async_rl.rollout.base import SamplingParams
 from async_rl.rollout.client import ReplicaSettings
 from async_rl.rollout.hf_engine import HFRolloutEngine
+from async_rl.rollout.weight_sync import choose_weight_sync, weights_to_publish
 from async_rl.workers.roles import ActorRole, CriticRole
 
 
@@ -209,7 +210,7 @@ def _rollout_replicas(spec: RunSpec, actor):
     pool.max_positions = getattr(model_config, "max_position_embeddings", None)
     if settings.engine in ("hf", "vllm") or pool.checkpoint_manager is not None:
         # the replicas start from the actor's weights (vLLM/SGLang through the pool load the same checkpoint)
-        pool.update_weights(weights_for_engine(actor, pool, 0), 0)
+        pool.update_weights(weights_to_publish(choose_weight_sync(actor, pool), actor, 0), 0)
     where = "inside the train ranks" if hybrid else "in their own processes"
     print(f"rollout: {len(replicas)} {settings.engine} replica(s) {where} ({settings.mode}), pids {pool.pids} "
           f"(driver pid {os.getpid()})", flush=True)

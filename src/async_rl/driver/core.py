@@ -31,6 +31,7 @@ from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, wri
 from async_rl.driver.learner import Learner, StepResult
 from async_rl.driver.rollout_manager import RolloutManager
 from async_rl.driver.trajectory import Trajectory
+from async_rl.rollout.weight_sync import choose_weight_sync, weights_to_publish
 
 
 @dataclass
@@ -73,23 +74,6 @@ class DriverConfig:
         if self.buffer_capacity is not None and self.buffer_capacity < batch_size:
             raise ConfigError(f"trainer.driver.buffer_capacity={self.buffer_capacity}: must hold at least one "
                               f"batch ({batch_size} trajectories)")
-
-
-def weights_for_engine(actor, engine, version: int):
-    """The new weights in the form ``engine.update_weights`` takes them, moved as little as possible.
-
-    A pool that gets the weights itself (``engine.takes_version_only``: replicas inside the train ranks,
-    ``rollout.mode=hybrid``, copy them in memory; verl's checkpoint manager pulls them from the actor ranks) is sent
-    only the version. Other replicas (``ReplicaPool``) take the handle of actor rank 0's ``ray.put`` (the weights go
-    from the object store to each replica, never through the driver). The in-driver engine takes the state dict.
-    """
-    if getattr(engine, "takes_version_only", False):
-        from async_rl.rollout.checkpoint_engine import in_process_handle
-
-        return in_process_handle(version)
-    if getattr(engine, "accepts_published_weights", False) and hasattr(actor, "publish_weights"):
-        return actor.publish_weights(version)
-    return actor.export_weights()
 
 
 def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
@@ -153,6 +137,7 @@ class RunCore(abc.ABC):
         self.buffer = TrajectoryBuffer(cfg.buffer_capacity or 4 * self.batch_size)
         self.max_inflight = cfg.max_inflight_trajectories or 2 * self.batch_size
         self.rollout.group_size = learner.cfg.group_size
+        self.weight_sync = choose_weight_sync(learner.actor, rollout.engine)  # how publications travel
         self.on_step = on_step
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         # called with the checkpoint's path after each save (train.py exports the policy as a model there)
@@ -205,9 +190,12 @@ class RunCore(abc.ABC):
         if self.switch is SwitchPhase.LAST_BOOTSTRAP:  # trained with the bootstrap estimator: now switch
             self.learner.switch_to_single_rollout()
             self.switch = SwitchPhase.DONE
-        weights = weights_for_engine(self.learner.actor, self.rollout.engine, self.learner.policy_version) \
-            if result.actor_updated else None
+        weights = self.weights_for(self.learner.policy_version) if result.actor_updated else None
         return result, weights
+
+    def weights_for(self, version: int):
+        """The actor's weights as ``version``, in the form :attr:`weight_sync` sends them."""
+        return weights_to_publish(self.weight_sync, self.learner.actor, version)
 
     # ------------------------------------------------------------------ Li2SAO switch (spec §4)
     def begin_switch(self) -> None:
@@ -294,7 +282,7 @@ class RunCore(abc.ABC):
         self.learner.load_state_dict(state["learner"], shards_dir=shards.get("path"))
         self.buffer.load_state_dict(state["buffer"])
         engine, version = self.rollout.engine, state["engine_version"]
-        engine.update_weights(weights_for_engine(self.learner.actor, engine, version), version)
+        engine.update_weights(self.weights_for(version), version)
         self.rollout.load_state_dict(state["rollout"])
         self.history = list(state["history"])
         torch.set_rng_state(state["rng"]["torch"])

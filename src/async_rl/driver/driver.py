@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from async_rl.driver.core import (  # noqa: F401  (DriverConfig, weights_for_engine: public names of this module)
+from async_rl.driver.core import (  # noqa: F401  (DriverConfig: a public name of this module)
     DriverConfig,
     RunCore,
     SwitchPhase,
-    weights_for_engine,
 )
 from async_rl.driver.learner import Learner
 from async_rl.driver.rollout_manager import RolloutManager

@@ -144,7 +144,7 @@ class ReplicaPool:
         self.update_latencies_s: list[float] = []
         self.max_positions: Optional[int] = None  # the model's context, read by the builder (Episode limits)
         # rollout.mode=hybrid: every replica runs inside a train rank and reads the actor's weights in memory, so a
-        # publication moves no weights (async_rl.driver.driver.weights_for_engine sends only the version)
+        # publication moves no weights (WeightSync.VERSION_ONLY, rollout/weight_sync.py: only the version)
         self.weights_in_process = all(getattr(r, "rollout_mode", None) is not None and
                                       getattr(r.rollout_mode, "value", None) == "hybrid" for r in self.replicas)
         self.checkpoint_manager = checkpoint_manager
@@ -240,21 +240,29 @@ class ReplicaPool:
         return outputs
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | dict[str, Any], version: int) -> None:
-        """Pause every replica, load ``weights`` (a state dict or a published handle) as ``version``, resume.
+        """Pause every replica, load ``weights`` as ``version``, resume.
 
-        Requests keep their tokens; tokens sampled from now on carry ``version``. When the pool gets the weights
-        itself (:attr:`takes_version_only`: hybrid replicas copy them from their train rank, verl's checkpoint
-        manager pulls them from the actor ranks) ``weights`` is not read.
+        ``weights`` is what :func:`async_rl.rollout.weight_sync.weights_to_publish` gives under the run's
+        strategy: a version-only handle when the pool gets the weights itself (:attr:`takes_version_only`), a
+        published handle, or a state dict (put in the object store here, once for every replica). Requests keep
+        their tokens; tokens sampled from now on carry ``version``.
         """
-        if self.checkpoint_manager is not None:  # whatever was given: verl's manager pulls from the actor ranks
+        version_only = weights is None or (isinstance(weights, Mapping) and weights.get("in_process") is True)
+        if version_only != self.takes_version_only:
+            want = ("only the version (None or in_process_handle(version)): its replicas get the weights themselves"
+                    if self.takes_version_only else "a published handle or a state dict: its replicas load what "
+                    "they are sent")
+            raise ValueError(f"update_weights(version={version}): this pool takes {want} (the strategy is "
+                             f"async_rl.rollout.weight_sync.choose_weight_sync(actor, pool))")
+        if self.checkpoint_manager is not None:  # verl's manager pulls from the actor ranks
             started = time.perf_counter()
             self._update_through_manager(int(version))
             self.counters["weight_updates"] += 1
             self.update_latencies_s.append(time.perf_counter() - started)
             return
         if self.weights_in_process:
-            published = in_process_handle(version)  # whatever was given: the replicas sync from their train rank
-        elif isinstance(weights, Mapping) and "ref" in weights and "version" in weights:
+            published = in_process_handle(version)
+        elif "ref" in weights and "version" in weights:
             published = dict(weights)
         else:
             items = weights.items() if isinstance(weights, Mapping) else weights
