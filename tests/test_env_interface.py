@@ -287,3 +287,45 @@ def test_construct_step_and_close_timeouts_name_the_call():
     assert closing.aborted and closing.timed_out and closing.error == "env.close timed out after 0.2 s"
     building = run_env_construct(lambda: time.sleep(10), timeout_s=0.2)
     assert building.aborted and building.timed_out and building.error == "env construction timed out after 0.2 s"
+
+
+def test_every_task_env_registers_its_facts_and_the_entry_points_read_them():
+    """train.py and eval.py take task loaders, kwargs and eval defaults from the env registry (envs/facts.py):
+    the names match the config's choices, and a newly registered env needs no edit of either entry point."""
+    from omegaconf import OmegaConf
+
+    from async_rl.envs.base import Env, StepResult as _StepResult
+    from async_rl.envs.facts import EnvFacts, env_facts, env_names_with_facts, register_env_facts
+    from async_rl.eval import load_sets, make_env_factory
+    from async_rl.train import env_kwargs, make_tasks
+    from async_rl.validation import TASK_ENVS
+
+    assert env_names_with_facts() == sorted(TASK_ENVS)
+    assert env_facts("webshop").eval_split == "test" and env_facts("alfworld").multi_turn
+    assert env_facts("toy_keys").toy_eval_set and not env_facts("math").multi_turn
+    with pytest.raises(ValueError, match="env 'nope' has no registered facts"):
+        env_facts("nope")
+
+    @register_env("test_facts_env")
+    class FactsEnv(Env):
+        def __init__(self, max_turns=1, flavour="plain"):
+            self.max_turns, self.flavour = max_turns, flavour
+
+        def reset(self, task):
+            return task["prompt"]
+
+        def step(self, action):
+            return _StepResult(observation=None, reward=0.0, done=True)
+
+    register_env_facts("test_facts_env", EnvFacts(
+        make_tasks=lambda cfg, seed: [{"id": f"t{seed}", "prompt": "p"}] * cfg.num_tasks,
+        env_kwargs=lambda cfg: {"flavour": cfg.flavour}, multi_turn=True, toy_eval_set=False))
+    cfg = OmegaConf.create({"name": "test_facts_env", "num_tasks": 2, "flavour": "spicy"})
+    assert make_tasks(cfg, 3) == [{"id": "t3", "prompt": "p"}] * 2 and env_kwargs(cfg) == {"flavour": "spicy"}
+    built = make_env_factory(cfg, max_turns=4)()
+    assert (built.max_turns, built.flavour) == (4, "spicy")
+    with pytest.raises(ValueError, match="no evaluation sets for env 'test_facts_env'"):
+        load_sets(OmegaConf.create({"eval_sets": [], "limit": None, "seed": 0}), cfg)
+    from async_rl.envs import facts as facts_module
+
+    facts_module._FACTS.pop("test_facts_env")

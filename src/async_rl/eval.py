@@ -70,8 +70,6 @@ FETCH_AIME = ('python -c "from datasets import load_dataset; load_dataset(\'Hugg
 FETCH_ALFWORLD = "alfworld-download"
 DEFAULT_KS: tuple[int, ...] = (1, 2, 4, 8, 16)
 TOY_SETS: tuple[str, ...] = ("toy_keys", "toy_echo", "retool_toy")
-# agent envs evaluated on a split of their own data, with success per category / mean score
-AGENT_ENVS: dict[str, str] = {"alfworld": "eval_out_of_distribution", "webshop": "test"}
 
 
 # ==================================================================================================
@@ -523,25 +521,21 @@ def load_sets(cfg, env_cfg) -> list[tuple[str, list[dict[str, Any]]]]:
     :func:`_alfworld_eval_config`)."""
     from async_rl.data.math_data import load_eval_set
 
+    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
+    from async_rl.envs.facts import env_facts
+
+    facts = env_facts(env_cfg.name)
     specs = list(cfg.eval_sets) or list(env_cfg.get("eval_sets") or [])
-    if not specs and env_cfg.name in AGENT_ENVS:
+    if not specs and facts.eval_split is not None:
         # agent tasks: the env config's evaluation split (ALFWorld eval_out_of_distribution, WebShop test)
         from omegaconf import OmegaConf
 
-        split = str(env_cfg.get("eval_split") or AGENT_ENVS[env_cfg.name])
-        if env_cfg.name == "alfworld":
+        split = str(env_cfg.get("eval_split") or facts.eval_split)
+        if env_cfg.name == "alfworld":  # a missing split falls back to the mini set shipped in the repo
             env_cfg, split = _alfworld_eval_config(cfg, env_cfg, split)
         eval_cfg = OmegaConf.merge(env_cfg, {"split": split, "num_tasks": cfg.limit or env_cfg.get("num_tasks")})
-        if env_cfg.name == "alfworld":
-            from async_rl.envs.alfworld_env import make_alfworld_tasks_from_config
-
-            tasks = make_alfworld_tasks_from_config(eval_cfg, cfg.seed)
-        else:
-            from async_rl.envs.webshop import make_webshop_tasks_from_config
-
-            tasks = make_webshop_tasks_from_config(eval_cfg, cfg.seed)
-        return [(f"{env_cfg.name}_{eval_cfg.split}", tasks)]
-    if not specs and env_cfg.name in TOY_SETS:
+        return [(f"{env_cfg.name}_{eval_cfg.split}", facts.make_tasks(eval_cfg, cfg.seed))]
+    if not specs and facts.toy_eval_set:
         specs = [env_cfg.name]
     if not specs:
         raise ValueError(f"no evaluation sets for env {env_cfg.name!r}: pass eval_sets=[<file>,...] or set "
@@ -571,31 +565,16 @@ def load_sets(cfg, env_cfg) -> list[tuple[str, list[dict[str, Any]]]]:
 def make_env_factory(env_cfg, max_turns: int) -> Callable[[], Any]:
     """``() -> Env`` for the env named ``env_cfg.name`` with its config options."""
     from async_rl.envs import make_env
+    from async_rl.envs.facts import env_facts
 
     name = env_cfg.name
-    kwargs: dict[str, Any] = {}
-    if name == "retool":
-        from async_rl.envs.retool import retool_env_kwargs
-
-        kwargs = retool_env_kwargs(env_cfg)
-        kwargs["max_turns"] = max_turns
-    elif name == "math":
-        from async_rl.envs.math_env import math_env_kwargs
-
-        kwargs = math_env_kwargs(env_cfg)  # grader options: verify_timeout_s, fallback_last_number (off by default)
-    elif name == "webshop":
-        from async_rl.envs.webshop import webshop_env_kwargs
-
-        kwargs = dict(webshop_env_kwargs(env_cfg))
-        kwargs["max_turns"] = max_turns
-    elif name == "alfworld":
-        from async_rl.envs.alfworld_env import alfworld_env_kwargs
-
-        kwargs = dict(alfworld_env_kwargs(env_cfg))
+    facts = env_facts(name)
+    kwargs: dict[str, Any] = dict(facts.env_kwargs(env_cfg))
+    if facts.multi_turn:
         kwargs["max_turns"] = max_turns
     probe = make_env(name, **kwargs)  # fail now on a bad name or option, not inside every episode
-    if name == "retool":
-        probe.sandbox  # noqa: B018 - creates the shared sandbox now: an unusable one fails before the model loads
+    if facts.check_at_start is not None:
+        facts.check_at_start(probe)
     probe.close()
     return lambda: make_env(name, **kwargs)
 

@@ -106,50 +106,18 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
 
 def make_tasks(env_cfg: DictConfig, seed: int) -> list[dict[str, Any]]:
     """Task records of the prompt stream for ``env_cfg.name`` (the code that loads real data runs here too)."""
-    name = env_cfg.name
-    if name in ("toy_keys", "toy_echo"):
-        from async_rl.envs.toy import make_toy_tasks
+    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
+    from async_rl.envs.facts import env_facts
 
-        return make_toy_tasks(name, env_cfg.num_tasks, seed=seed)
-    if name == "webshop":
-        from async_rl.envs.webshop import make_webshop_tasks_from_config
-
-        return make_webshop_tasks_from_config(env_cfg, seed)
-    if name == "math":
-        from async_rl.data.math_data import make_math_tasks
-
-        return make_math_tasks(env_cfg, seed)
-    if name == "retool":
-        from async_rl.envs.retool import make_retool_tasks
-
-        return make_retool_tasks(env_cfg, seed)
-    if name == "alfworld":
-        from async_rl.envs.alfworld_env import make_alfworld_tasks_from_config
-
-        return make_alfworld_tasks_from_config(env_cfg, seed)
-    raise ValueError(f"env {name!r} has no task loader; valid: {', '.join(TASK_ENVS)}")
+    return env_facts(env_cfg.name).make_tasks(env_cfg, seed)
 
 
 def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
     """Constructor arguments of the env from its config group."""
-    if env_cfg.name == "webshop":
-        from async_rl.envs.webshop import webshop_env_kwargs
+    import async_rl.envs  # noqa: F401
+    from async_rl.envs.facts import env_facts
 
-        return dict(webshop_env_kwargs(env_cfg))
-    if env_cfg.name == "retool":
-        from async_rl.envs.retool import retool_env_kwargs
-
-        return dict(retool_env_kwargs(env_cfg))
-    if env_cfg.name == "math":
-        from async_rl.envs.math_env import math_env_kwargs
-
-        return math_env_kwargs(env_cfg)
-    if env_cfg.name == "alfworld":
-        from async_rl.envs.alfworld_env import alfworld_env_kwargs
-
-        return dict(alfworld_env_kwargs(env_cfg))
-    return {}
-
+    return dict(env_facts(env_cfg.name).env_kwargs(env_cfg))
 
 
 def summarize(history: list[dict], driver, env_name: str = "") -> dict[str, Any]:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.facts import EnvFacts, register_env_facts
 
 __all__ = [
     "ALFWORLD_CATEGORIES",
@@ -655,3 +656,8 @@ class AlfWorldEnv(Env):
                 lib.cleanup()
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
+
+
+register_env_facts("alfworld", EnvFacts(make_tasks=make_alfworld_tasks_from_config,
+                                        env_kwargs=lambda c: dict(alfworld_env_kwargs(c)), multi_turn=True,
+                                        eval_split="eval_out_of_distribution"))

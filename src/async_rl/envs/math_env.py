@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.facts import EnvFacts, register_env_facts
 from async_rl.rewards.math_reward import MathVerifier, grade_answer, reference_answer
 
 
@@ -95,3 +96,12 @@ def math_env_kwargs(env_cfg: Any) -> dict[str, Any]:
         if value is not None:
             kwargs[key] = value
     return kwargs
+
+
+def _math_tasks(env_cfg: Any, seed: int) -> list[dict[str, Any]]:
+    from async_rl.data.math_data import make_math_tasks  # reads the data files: only when asked
+
+    return make_math_tasks(env_cfg, seed)
+
+
+register_env_facts("math", EnvFacts(make_tasks=_math_tasks, env_kwargs=math_env_kwargs))

@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.facts import EnvFacts, register_env_facts
 from async_rl.rewards.math_reward import MathVerifier, extract_answer, grade_answer
 
 __all__ = [
@@ -422,3 +423,11 @@ def make_retool_tasks(env_cfg: Any, seed: int = 0) -> list[dict[str, Any]]:
     from async_rl.data.math_data import make_math_tasks
 
     return make_math_tasks(env_cfg, seed)
+
+
+def _create_sandbox(env: "ReToolEnv") -> None:
+    env.sandbox  # noqa: B018 - creates the shared sandbox now: an unusable one fails before the model loads
+
+
+register_env_facts("retool", EnvFacts(make_tasks=make_retool_tasks, env_kwargs=lambda c: dict(retool_env_kwargs(c)),
+                                      multi_turn=True, check_at_start=_create_sandbox))

@@ -47,6 +47,7 @@ import re
 from typing import Any, Sequence
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.facts import EnvFacts, register_env_facts
 
 __all__ = [
     "TOY_ENV_NAMES",
@@ -327,3 +328,12 @@ def play_episode(
         "success": bool(turns[-1][1].info.get("success", False)),
         "num_turns": len(turns),
     }
+
+
+def _toy_facts(name: str) -> EnvFacts:
+    return EnvFacts(make_tasks=lambda env_cfg, seed: make_toy_tasks(name, env_cfg.num_tasks, seed=seed),
+                    toy_eval_set=True)
+
+
+register_env_facts("toy_keys", _toy_facts("toy_keys"))
+register_env_facts("toy_echo", _toy_facts("toy_echo"))

@@ -38,6 +38,7 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.facts import EnvFacts, register_env_facts
 from async_rl.envs.webshop.catalog import (
     DEFAULT_NUM_GOALS,
     DEFAULT_NUM_PRODUCTS,
@@ -433,3 +434,8 @@ def make_webshop_tasks_from_config(env_cfg: Mapping[str, Any], seed: int = 0) ->
         num_goals=int(get("num_goals", DEFAULT_NUM_GOALS)),
         num_test_goals=int(get("num_test_goals", DEFAULT_NUM_TEST_GOALS)), goal_indices=goal_indices,
     )
+
+
+register_env_facts("webshop", EnvFacts(make_tasks=make_webshop_tasks_from_config,
+                                       env_kwargs=lambda c: dict(webshop_env_kwargs(c)), multi_turn=True,
+                                       eval_split="test"))
