@@ -100,7 +100,7 @@ def test_webshop_clean_demos_buy_the_target_with_its_options(tokenizer):
 
 
 def test_an_option_is_named_only_as_whole_words():
-    from async_rl.models.sft import _names_phrase
+    from async_rl.envs.demonstrations import names_phrase as _names_phrase
 
     # "large" is not named by "x-large" (the demo used to click "large" first, wasting one of its 5 turns)
     assert _names_phrase("in size x-large", "x-large") and not _names_phrase("in size x-large", "large")
@@ -140,3 +140,55 @@ def test_webshop_page_size_shortens_the_results_page_and_the_goal_names_its_quer
     assert len(clicks[3]) == 3 and len(clicks[10]) == 10 and clicks[3] == clicks[10][:3]
     goal = env.simulator_goal(task["goal_index"])
     assert goal["asin"] == task["target_asin"] and goal["query"] in task["instruction"]
+
+
+def test_a_new_env_gets_a_warm_start_from_its_registered_demonstrations_alone(tokenizer):
+    """models/sft.py reads the script, the defaults and the fillers from the env's facts, not from its name."""
+    import random
+
+    from async_rl.envs import facts as facts_module
+    from async_rl.envs.base import Env, StepResult
+    from async_rl.envs.facts import Demonstrations, EnvFacts, register_env_facts
+
+    class Countdown(Env):
+        max_turns = 3
+
+        def reset(self, task):
+            self.left = int(task["n"])
+            return f"count down from {self.left}"
+
+        def step(self, action_text):
+            self.left -= 1
+            solved = action_text.strip() == str(self.left) and self.left == 0
+            done = self.left == 0 or action_text.strip() != str(self.left)
+            return StepResult(observation=str(self.left), reward=float(solved), done=done, info={"success": solved})
+
+    def policy(env, task, noisy, rng: random.Random, **_):
+        wrong_turn = rng.randrange(int(task["n"])) if noisy else -1
+        turns = iter(range(int(task["n"])))
+
+        def act(observation):
+            turn = next(turns)
+            value = int(task["n"]) - 1 - turn
+            return str(value + 5 if turn == wrong_turn else value)
+
+        return act
+
+    register_env_facts("countdown_test", EnvFacts(
+        make_tasks=lambda cfg, seed: [], demonstrations=Demonstrations(
+            policy=policy, think_fillers=False, sft_defaults={"noise": 0.5, "steps": 1})))
+    try:
+        from async_rl.envs.facts import demonstration_env_names
+
+        assert "countdown_test" in demonstration_env_names(toy=False)
+        tasks = [{"id": "c3", "n": 3}]
+        clean = make_task_demonstrations("countdown_test", Countdown(), tasks, tokenizer, 2, 0.0)
+        # "count down from 3" -> 2, 1, 0: three assistant turns, the last one ends the episode with reward 1
+        assert [_assistant_texts(d) for d in clean] == [["2", "1", "0"], ["2", "1", "0"]]
+        assert all(d["success"] and d["reward"] == 1.0 for d in clean)
+        noisy = make_task_demonstrations("countdown_test", Countdown(), tasks, tokenizer, 6, 1.0, seed=3)
+        assert not any(d["success"] for d in noisy)  # one wrong number ends every noisy episode unsolved
+    finally:
+        facts_module._FACTS.pop("countdown_test")
+    with pytest.raises(ValueError, match="no scripted demonstrations for env 'countdown_test'"):
+        make_task_demonstrations("countdown_test", Countdown(), [{"n": 1}], tokenizer, 1, 0.0)

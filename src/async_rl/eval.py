@@ -4,40 +4,13 @@
     python -m async_rl.eval model_dir=/ckpt/qwen2.5-1.5b env=math \\
         'eval_sets=[data/aime/aime_2024.jsonl,data/aime/aime_2025.jsonl]' n_samples=16 temperature=1.0
 
-Arguments are ``key=value`` (OmegaConf syntax, as with Hydra; quote lists for the shell). ``env=NAME`` loads
-``conf/env/NAME.yaml`` (or just names a registered env); ``env.KEY=VALUE`` overrides a key of it. Every
-other key is a field of :class:`EvalConfig` (``python -m async_rl.eval --help`` lists them); unknown keys,
-empty values and wrong types fail before the model loads.
+Arguments are ``key=value``: fields of :class:`EvalConfig` (``--help`` lists them) and ``env.KEY=VALUE``.
+Each problem gets ``n_samples`` episodes with :class:`HFRolloutEngine` through the training code's
+:class:`async_rl.driver.episode.Episode`; aborted and truncated episodes count as wrong and are counted
+separately. :func:`evaluate_pass_at_k` feeds a printed table, ``pass_at_k.json``, ``samples.jsonl`` and
+``eval.png`` under ``output_dir``. Missing data falls back to the shipped mini sets, saying so.
 
-Defaults, so that nothing has to be guessed (each choice is printed):
-
-* no ``model_dir``: the model the last training run exported (``outputs/last_run.json``, written by
-  :mod:`async_rl.models.export`); a run directory (``outputs/<run>``) stands for its ``model/``;
-* no ``env``: the env that model was trained on (else ``math``); for a model a run exported, the env config
-  is the one the run trained with (its ``config.json``), so a recipe's own eval sets and budgets apply;
-* missing data: when none of the env's eval files exist (math / retool) or its ALFWorld split holds no
-  games, the mini sets shipped with the recipes (``recipes/data/aime_*_mini.jsonl``, the ALFWorld games in
-  ``tests/fixtures/alfworld``) are evaluated instead, saying so, unless you named the data yourself
-  (``eval_sets``, ``env.eval_sets``, ``env.data_dir``, ``env.eval_split``) or set
-  ``fallback_to_mini_sets=false``; errors name the key to set and the command that fetches the data;
-* ``output_dir``: ``<run dir>/eval`` for a model a run exported (``make plots`` then shows pass@k next to
-  the training curves), else ``outputs/eval``; ``eval.png`` (pass@k per set, success per category) is
-  written there with ``pass_at_k.json``.
-
-Recipe, top to bottom:
-
-1. load every evaluation set as task records (math / retool: :func:`async_rl.data.math_data.load_eval_set`;
-   the special names ``toy_keys``, ``toy_echo`` and ``retool_toy`` generate the embedded toy tasks);
-2. for each problem run ``n_samples`` episodes with :class:`HFRolloutEngine` through the same
-   :class:`async_rl.driver.episode.Episode` state machine as training (single- and multi-turn alike):
-   ``batch_size`` episodes are generated together, each turn's sampling seed is
-   ``crc32(f"{seed}/{set}/{problem_id}/s{sample}/turn{t}")``, so results do not depend on batching;
-3. a sample is correct when its episode ended with ``success`` (math: the env's reward is 1); aborted
-   episodes (env/sandbox failure) and truncated ones (token or turn budget spent) count as wrong and are
-   counted separately;
-4. :func:`evaluate_pass_at_k` per set (unbiased estimator, Chen et al. 2021, for each k in ``ks`` with
-   ``k <= n_samples``), the mean over sets, a printed table, ``pass_at_k.json`` and ``samples.jsonl``
-   (every response) under ``output_dir``.
+Details: docs/evaluation.md (How it evaluates; Options; Missing data).
 """
 
 from __future__ import annotations
@@ -62,12 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 REPO_CONF = REPO_ROOT / "conf"
 #: the evaluation data shipped in the repository (used when the real sets are missing; see the docstring)
 MINI_MATH_SETS_GLOB = "recipes/data/aime_*_mini.jsonl"
-MINI_ALFWORLD_DIRS = ("recipes/data/alfworld", "tests/fixtures/alfworld")
-#: ALFWorld splits tried, in order, on the shipped mini set when the requested one has no games there
-MINI_ALFWORLD_SPLITS = ("valid_unseen", "valid_seen")
 FETCH_AIME = ('python -c "from datasets import load_dataset; load_dataset(\'HuggingFaceH4/aime_2024\', '
               'split=\'train\').to_json(\'data/aime/aime_2024.jsonl\')"')
-FETCH_ALFWORLD = "alfworld-download"
 DEFAULT_KS: tuple[int, ...] = (1, 2, 4, 8, 16)
 TOY_SETS: tuple[str, ...] = ("toy_keys", "toy_echo", "retool_toy")
 
@@ -475,50 +444,9 @@ def _math_specs(cfg, env_cfg, specs: list[Any]) -> list[Any]:
     return [str(path) for path in mini]
 
 
-def _alfworld_split_games(data_dir: Any, split: str) -> int:
-    """Playable games of ``split`` under ``data_dir`` (0 when the folder or its game files are missing)."""
-    from async_rl.envs.alfworld_env import make_alfworld_tasks
-
-    try:
-        return len(make_alfworld_tasks(data_dir=data_dir, split=split, seed=None))
-    except FileNotFoundError:
-        return 0
-
-
-def _alfworld_eval_config(cfg, env_cfg, split: str):
-    """``(env_cfg, split)`` with games to play: the configured data when its split has any, else (when
-    allowed) the shipped mini set. The check looks for game files, not folders: importing alfworld
-    creates an empty ``~/.cache/alfworld``."""
-    from omegaconf import OmegaConf
-
-    from async_rl.envs.alfworld_env import ALFWORLD_SPLITS, resolve_data_dir
-
-    if split not in ALFWORLD_SPLITS:
-        raise ValueError(f"env.eval_split={split!r} is not an ALFWorld split; valid: {', '.join(ALFWORLD_SPLITS)}")
-    root = resolve_data_dir(env_cfg.get("data_dir"))
-    if _alfworld_split_games(root, split):
-        return env_cfg, split
-    have = [name for name in ("train", "valid_seen", "valid_unseen") if _alfworld_split_games(root, name)]
-    problem = (f"no ALFWorld games for env.eval_split={split} (json_2.1.1/{ALFWORLD_SPLITS[split]}/*/*/ with "
-               f"traj_data.json and game.tw-pddl) under env.data_dir={root}"
-               + (f"; splits with games there: {have}" if have else ""))
-    fix = (f"run `{FETCH_ALFWORLD}` (it fills $ALFWORLD_DATA, default ~/.cache/alfworld), or set "
-           "env.data_dir=<the folder holding json_2.1.1/>" + (f", or env.eval_split=<one of {have}>" if have else ""))
-    if cfg.fallback_to_mini_sets:
-        for mini_dir in (REPO_ROOT / d for d in MINI_ALFWORLD_DIRS):
-            for mini_split in (split, *MINI_ALFWORLD_SPLITS):
-                count = _alfworld_split_games(mini_dir, mini_split)
-                if count:
-                    note(f"{problem}. Evaluating the mini set shipped in the repo instead: {_shown(mini_dir)}, "
-                         f"split {mini_split} ({count} game{'s' if count != 1 else ''}: a smoke test, not a "
-                         f"benchmark). For the real games: {fix}.")
-                    return OmegaConf.merge(env_cfg, {"data_dir": str(mini_dir)}), mini_split
-    raise ValueError(f"{problem}. To fix: {fix}.")
-
-
 def load_sets(cfg, env_cfg) -> list[tuple[str, list[dict[str, Any]]]]:
     """``[(set name, task records)]`` in the order given (missing data: see :func:`_math_specs`,
-    :func:`_alfworld_eval_config`)."""
+    :func:`async_rl.envs.alfworld_env.alfworld_eval_data`)."""
     from async_rl.data.math_data import load_eval_set
 
     import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
@@ -531,8 +459,10 @@ def load_sets(cfg, env_cfg) -> list[tuple[str, list[dict[str, Any]]]]:
         from omegaconf import OmegaConf
 
         split = str(env_cfg.get("eval_split") or facts.eval_split)
-        if env_cfg.name == "alfworld":  # a missing split falls back to the mini set shipped in the repo
-            env_cfg, split = _alfworld_eval_config(cfg, env_cfg, split)
+        if facts.eval_data is not None:  # data the split needs (ALFWorld: games on disk, else the shipped mini set)
+            env_cfg, split, fallback = facts.eval_data(env_cfg, split, REPO_ROOT if cfg.fallback_to_mini_sets else None)
+            if fallback:
+                note(fallback)
         eval_cfg = OmegaConf.merge(env_cfg, {"split": split, "num_tasks": cfg.limit or env_cfg.get("num_tasks")})
         return [(f"{env_cfg.name}_{eval_cfg.split}", facts.make_tasks(eval_cfg, cfg.seed))]
     if not specs and facts.toy_eval_set:

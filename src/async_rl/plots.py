@@ -1,36 +1,13 @@
 """Paper-style figures from a run's ``metrics.jsonl`` and an evaluation's ``pass_at_k.json``.
 
-- ``training.png`` (one per run): panels chosen by the run's algorithm (``config.json``'s
-  ``algorithm.name``, else guessed from the metric prefixes), see :data:`ALGORITHM_PANELS`:
+``training.png`` (one per run; panels chosen by the run's algorithm, :data:`ALGORITHM_PANELS`; the Li2SAO
+switch dashed; a pass@k panel once evaluated), ``comparison.png`` (several runs, written to the first run
+directory) and ``eval.png`` (written by ``python -m async_rl.eval``). Curves are smoothed with
+:func:`two_sided_ema` (span 10).
 
-  ======== ==================================================================================================
-  all      training accuracy (raw + two-sided EMA, span 10), policy lag / off-policy token ratio
-  grpo     + policy loss
-  lisao,   + critic explained variance (``critic/ev_tokens`` and ``critic/ev_terminal``, else
-  ppo      ``critic/explained_var``), critic value loss, policy loss
-  li2sao   + critic explained variance, residual EV e_k (``li2sao/explained_var_residual``, its EMA, the
-           threshold η_e), rank accuracy a_k (``li2sao/rank_acc``, its EMA, η_a), the gate counter
-           (with the patience M), critic value loss
-  sapo     + V explained variance (``sapo/explained_var``), V / Q losses, policy loss
-  ======== ==================================================================================================
+    python -m async_rl.plots [outputs/<run> ...] [--x clock]   # no run: the last run (outputs/last_run.json)
 
-  The Li2SAO switch (``li2sao/gate_opened``) is a dashed line on every panel with data; a panel whose
-  metrics the run did not log says so and draws nothing else. Thresholds come from the metrics
-  (``li2sao/eta_e``, ``li2sao/eta_a``) or, when absent, from the run's ``config.json``
-  (``algorithm.gate.*``, defaults 0.2 / 0.65 / 10). A pass@k bar panel is added when the run directory
-  (or its ``eval/``) holds ``pass_at_k.json``.
-- ``comparison.png`` (several runs, written to the first run directory): accuracy, value explained
-  variance (critic or SAPO's V), response length, mean policy lag and off-policy token ratio per run (raw
-  values faint, EMA span 10 solid), each run's switch step as a dashed line in its colour, and pass@k bars
-  for the runs that have them.
-- ``eval.png`` (written by ``python -m async_rl.eval``): the pass@k curve of every evaluation set (one line
-  per AIME year, the mean dashed) and, for agent envs, success per category (ALFWorld) or success and
-  score (WebShop).
-
-``python -m async_rl.plots [outputs/<run> ...]`` writes ``training.png`` into each run directory and, when
-several runs are given, ``comparison.png`` into the first one (``--x clock`` puts the simulated clock,
-``async/clock_ticks``, on the comparison's x axis). With no run it plots the last run
-(``outputs/last_run.json``) and says so. Metric meanings: ``docs/metrics.md``.
+Details: docs/metrics.md (Figures; Smoothing in the plots).
 """
 
 from __future__ import annotations

@@ -377,10 +377,7 @@ TRAINER_RULES: dict[str, Rule] = {
     "max_grad_norm": Rule("float", "> 0", optional=True),  # null = no gradient clipping
     "torch_threads": Rule("int", ">= 1", optional=True),
     "micro_batch_size": Rule("int", ">= 1", optional=True),
-    "precision": Rule("str", choices=("bf16", "fp32")),  # docs/engine.md §7
-    "max_tokens_per_micro_batch": Rule("int", ">= 1", optional=True),
-    "activation_checkpointing": Rule("bool"),
-    "precision": Rule("str", choices=("fp32", "bf16")),
+    "precision": Rule("str", choices=("fp32", "bf16")),  # docs/engine.md §7
     "max_tokens_per_micro_batch": Rule("int", ">= 1", optional=True),
     "activation_checkpointing": Rule("bool"),
     "resume": Rule("bool"),
@@ -424,10 +421,11 @@ def check_env(env: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("max_turns", "max_new_tokens", "max_response_tokens", "env_timeout_s"):
         if key not in env:
             raise ConfigError(f"env.{key} is missing: set it in conf/env/{env['name']}.yaml or as env.{key}=...")
-    if env["name"] == "retool" and "code_timeout_s" in env and env["env_timeout_s"] <= env["code_timeout_s"]:
+    # checks of keys only some groups have (retool's code_timeout_s, webshop's goal_range)
+    if env.get("code_timeout_s") is not None and env["env_timeout_s"] <= env["code_timeout_s"]:
         raise ConfigError(f"env.env_timeout_s={env['env_timeout_s']}: must exceed env.code_timeout_s="
                           f"{env['code_timeout_s']} (a code run that times out is shown to the model, not aborted)")
-    goal_range = env.get("goal_range") if env["name"] == "webshop" else None
+    goal_range = env.get("goal_range")
     if goal_range is not None and (len(goal_range) != 2 or not 0 <= goal_range[0] < goal_range[1]):
         raise ConfigError(f"env.goal_range={goal_range}: must be [start, stop) with 0 <= start < stop")
     return env

@@ -1,22 +1,14 @@
-"""Register our estimators and policy losses in verl's registries.
+"""Register our estimators and policy losses in verl's registries (:func:`register`).
 
-Loaded by ``import async_rl`` and by verl itself through the ``verl.plugins`` entry point (pyproject), so
-Ray workers of stock verl see the names too. Names (never overwriting an entry verl had):
+Loaded by ``import async_rl`` and by verl itself through the ``verl.plugins`` entry point, so Ray workers
+of stock verl see the names too; an entry verl had is never overwritten. Advantage estimators:
+``sao_gae`` (LiSAO, spec §3), ``li2sao_group`` (Li2SAO, spec §4), ``sapo_turn`` (SAPO, spec §5). Policy
+losses: ``ppo_clip`` (Eq. 1, no dual clip), ``dis`` (spec §3), ``dis_clip`` (spec §4), ``sapo_ar`` (spec §5;
+verl's own ``sapo`` is another algorithm). Rollout replica: ``hf``, loaded lazily. ``sao_gae`` and
+``sapo_turn`` need critic values / turn tensors that verl's ``compute_advantage`` never passes: our driver
+calls them with those.
 
-- advantage estimators: ``sao_gae`` (LiSAO, spec §3), ``li2sao_group`` (Li2SAO, spec §4),
-  ``sapo_turn`` (SAPO turn targets, spec §5);
-- policy losses: ``ppo_clip`` (Eq. 1: asymmetric clip without verl ``vanilla``'s dual clip; GRPO, PPO),
-  ``dis`` (LiSAO DIS, spec §3), ``dis_clip`` (Li2SAO bootstrap: clipped objective with the DIS mask,
-  spec §4), ``sapo_ar`` (SAPO's policy term, spec §5; verl's own ``sapo`` is another algorithm).
-  ``ppo_clip``/``dis``/``dis_clip`` honour verl's ``loss_agg_mode`` ``"seq-mean-token-mean"`` (Eq. 1, what
-  our trainer uses) and ``"token-mean"``, with verl's ``global_batch_info`` normalisers;
-- rollout replica: ``hf`` (our transformers engine as a verl ``RolloutReplica``, async_rl.rollout.replica),
-  loaded lazily by ``RolloutReplicaRegistry.get("hf")``.
-
-verl's ``compute_advantage`` passes registered estimators only ``token_level_rewards``, ``response_mask``,
-``config`` and ``index`` -- never critic values or turn structure. ``sao_gae`` and ``sapo_turn`` therefore
-take those as extra keyword arguments and fail with a clear message when called without them; our driver
-calls them with the values (see docs/algorithms.md).
+Details: docs/algorithms.md (Registration in verl; "Critic values in verl").
 """
 
 from __future__ import annotations

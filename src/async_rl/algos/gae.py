@@ -6,14 +6,10 @@ With ``u_1 < ... < u_M`` the model-token positions of a trajectory,
     A_{u_j} = δ_{u_j} + γ λ A_{u_{j+1}}
 
 Observation tokens (``response_mask == 0``) carry no value transition and no advantage: the recursion
-jumps over them. Rewards must sit on model tokens (the outcome reward on the last one); anything on an
-observation or padding position is ignored.
+jumps over them. Entry points: :func:`sao_gae` (LiSAO's estimator), :func:`skip_observation_gae`,
+:func:`length_adaptive_lambda`, :func:`masked_whiten`, :func:`discounted_reverse_cumsum` (the blocked scan).
 
-Implementation: model tokens are compacted to the left of each row (a scatter by their running count),
-the recursion is evaluated as a blocked discounted reverse cumulative sum (one matrix product inside
-blocks of ``block`` steps, one across the blocks' first entries, no Python loop), and results are
-gathered back. This is exact, works with a different λ per trajectory, and runs a fixed number of
-tensor operations whatever the length.
+Details: docs/algorithms.md (LiSAO (spec §3): the table and "How the GAE is computed").
 """
 
 from __future__ import annotations

@@ -4,43 +4,12 @@
     # [{"id": "aime_2024-0", "prompt": "...", "question": "...", "answer": "204", "source": "aime_2024",
     #   "year": 2024}, ...]
 
-Everything is read with the ``datasets`` library from a local file or directory; a Hugging Face Hub name is
-only tried with ``allow_hub=True`` (config decides; tests never touch the network).
+:func:`load_math_records` reads ``.parquet`` / ``.jsonl`` / ``.json`` / ``.csv`` files and dataset
+directories with the ``datasets`` library (a Hub name only with ``allow_hub=True``), finds the prompt,
+answer, id and year columns of the common layouts (DAPO in verl format, HuggingFaceH4's AIME, ...) and keeps
+one row per DAPO problem (``dedupe``). Config entry points: :func:`make_math_tasks`, :func:`load_eval_set`.
 
-Supported inputs
-----------------
-* a ``.parquet``, ``.jsonl`` / ``.json`` or ``.csv`` file (``split`` is ignored: a file is one split);
-* a directory as written by ``hf download --repo-type dataset ... --local-dir DIR`` (``data/train-*.parquet``,
-  ``test.jsonl``, ...): ``datasets`` infers the splits from the file names, ``split`` picks one (default
-  ``"train"``);
-* with ``allow_hub=True``, a Hub dataset name such as ``BytedTsinghua-SIA/DAPO-Math-17k``.
-
-Column layouts (names matched case-insensitively, first match wins; override with ``prompt_key`` /
-``answer_key`` / ``id_key``, which may be dotted paths into struct columns such as ``reward_model.ground_truth``):
-
-======== ======================================================================================
-field    candidates
-======== ======================================================================================
-prompt   ``prompt``, ``problem``, ``question``. A list of chat messages (``[{"role", "content"}]``,
-         verl's RL format) gives the content of the last ``user`` message; system messages are dropped.
-answer   ``answer``, ``reward_model.ground_truth`` (verl), ``ground_truth``, ``final_answer``,
-         ``solution`` (its last ``\\boxed{}`` when it has one). Numbers become text (``33.0`` -> ``"33"``);
-         a boxed answer is unwrapped.
-id       ``id``, ``problem_id``, ``problem_idx``, ``idx``, ``index``, ``unique_id``, ``extra_info.index``;
-         else ``f"{source}-{row}"``. Repeated ids get ``#row`` appended.
-year     ``year`` column; else the ``year`` argument; else a year in the source name (``aime_2024``,
-         ``aime25`` -> 2025); else the record has no ``year`` key.
-======== ======================================================================================
-
-Examples of real layouts: DAPO-Math-17K in verl format (``data_source``, ``prompt`` = chat list,
-``ability``, ``reward_model`` = ``{ground_truth, style}``, ``extra_info`` = ``{index}``); HuggingFaceH4-style
-AIME sets (``id``, ``problem``, ``solution``, ``answer``, ``url``, ``year``); ``ID`` / ``Problem`` /
-``Answer`` capitalised sets; ``question`` / ``answer`` sets.
-
-The DAPO file repeats every prompt many times (1.79 M rows for 17 k problems): ``dedupe=True`` (default)
-keeps the first row of each ``(question, answer)`` pair. ``strip_dapo_instruction=True`` removes DAPO's
-"Solve the following math problem step by step ... Answer: $Answer ..." wrapper, leaving the bare problem,
-so train and eval prompts can share one ``prompt_template`` (``"{question}"`` placeholder).
+Details: docs/evaluation.md (Data setup; Supported files and columns).
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""Checkpoint files of the deterministic driver: atomic writes with a SHA-256 checksum, newest-good-first
-loading with fallback, pruning to the last ``keep_last``, and cleanup of stale temporary files.
+"""Checkpoint files of the driver: atomic writes with a SHA-256 checksum, newest-good-first loading with
+fallback, pruning to the last ``keep_last``, cleanup of stale temporary files, and the checksummed manifest
+of sharded model state (``trainer.workers=ray``: every train rank writes its own shard).
 
-Layout of ``<run dir>/checkpoints/``::
+Entry points: :func:`write_checkpoint`, :func:`read_checkpoint`, :func:`load_newest_good`,
+:func:`resume_checkpoint`, :func:`prune_checkpoints`, :func:`remove_stale_tmp`.
 
-    step_000004.pt          torch.save of DeterministicDriver.state_dict()
-    step_000004.pt.sha256   "<hex digest>  step_000004.pt" (the format `sha256sum -c` reads)
-    latest                  name of the newest checkpoint (for people and scripts; loading does not trust it)
-
-Write order: the checkpoint goes to ``step_N.pt.tmp`` (flushed to disk), its checksum to
-``step_N.pt.sha256`` (atomically), then the checkpoint is renamed into place. A process killed at any point
-therefore leaves either no ``step_N.pt`` or a complete one with its checksum; leftovers are ``*.tmp`` files
-(removed by the next save or resume) and, rarely, a checksum without its checkpoint (ignored, then pruned).
-A checkpoint that is truncated or altered later (a full disk, a bad copy) fails its checksum or its load and
-is skipped for the previous one.
-
-Sharded model state (``trainer.workers=ray``: every train rank writes its own shard, nothing is gathered)::
-
-    step_000004.pt          the driver state, with a manifest {"shards": {"dir", "files": {name: sha256}}}
-    step_000004.pt.shards/  actor/ and critic/: torch.distributed.checkpoint shards of model + AdamW state
-
-The shards go to ``step_N.pt.shards.tmp/`` first, their SHA-256s into the manifest, the manifest into the
-driver-state file (so its checksum covers every shard), then the shard directory is renamed into place and
-the driver-state file last: that rename is the one commit point. A kill before it leaves no ``step_N.pt``
-(the ``*.tmp`` directory and a renamed shard directory without its ``.pt`` are removed by the next save or
-prune); a shard damaged or missing later fails :func:`read_checkpoint` like a corrupt driver-state file.
+Details: docs/driver.md (Checkpoint and resume: the file layout, write order and damaged checkpoints;
+Checkpoints with ``trainer.workers=ray``: the shard manifest and its one commit point).
 """
 
 from __future__ import annotations

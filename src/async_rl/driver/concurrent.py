@@ -1,28 +1,14 @@
-"""The concurrent scheduler: the same driver pieces in real time.
+"""The concurrent scheduler (spec §1): the same driver pieces in real time, :class:`ConcurrentDriver`.
 
-A rollout thread generates continuously (launch prompt groups while capacity allows, one chunk at a time,
-finished trajectories into the buffer at once). The trainer runs in the calling thread: it takes a batch as
-soon as one is ready, trains, and publishes the new weights to the engine *in flight* (the engine applies
-them at the next token boundary; running sequences keep their prefix). Torch releases the GIL in its
-kernels, so generation and training overlap on a multi-core CPU or a GPU.
+A rollout thread generates continuously and puts finished trajectories into the buffer at once; the
+trainer, in the calling thread, takes a batch as soon as one is ready, trains, and publishes the new
+weights *in flight* (applied at the engine's next token boundary). Staleness-aware admission launches a
+prompt group only while untrained trajectories fit in ``(k + 1) * B`` and aborts live groups already past
+the cap. An exception in the rollout thread is re-raised in the trainer (:class:`RolloutThreadError`);
+every wait has a timeout.
 
-Staleness-aware admission (spec §1 cap k, in the spirit of AReaL's ``max_head_offpolicyness`` and verl's
-``staleness_threshold``): a prompt group is launched only while the trajectories not yet trained -- live, in the
-buffer, and the batch the trainer is training -- plus the new group fit in ``(k + 1) * B``. A trajectory launched
-under version ``v`` then has at most ``k`` batches ahead of it, so its tokens are trained with lag <= k instead
-of being generated and then dropped. When the untrained trajectories cannot fill one batch (aborted members
-leave groups short), launching is always allowed, so the rule never stalls the run. After each publication,
-live episodes whose oldest recorded token already lags by more than ``k`` are aborted with their whole group
-(the buffer would drop the group anyway):
-``async/aborted_stale`` counts them, ``async/wasted_tokens`` counts the model tokens thrown away by stale aborts
-(plus, with replicas, those lost to aborts and replica failures).
-
-The engine is the in-driver ``HFRolloutEngine`` (``trainer.workers=local``) or the rollout replicas
-(``trainer.workers=ray``: :class:`async_rl.rollout.client.ReplicaPool`, the same interface); the loop calls
-both through that interface, and reads the engine's own metrics only where it has some (replica counters).
-
-Failure handling: an exception in the rollout thread is re-raised in the trainer with its traceback; the
-trainer never waits without a timeout, so a dead rollout cannot deadlock the driver.
+Details: docs/driver.md (The concurrent scheduler (real time), Staleness-aware admission; The concurrent
+scheduler under Checkpoint and resume).
 """
 
 from __future__ import annotations

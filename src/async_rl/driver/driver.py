@@ -1,19 +1,12 @@
-"""The asynchronous driver loop (spec §1, §4): rollout streams trajectories into a staleness-capped buffer,
-the trainer takes a batch whenever one is ready, weights are published in flight, and Li2SAO switches
-from group bootstrap to single rollout with the exact protocol of spec §4.
+"""The asynchronous driver loop (spec §1, §4), deterministic scheduler: :class:`DeterministicDriver`.
 
-Deterministic scheduler (this module): one process, a simulated clock. Each tick generates one chunk of
-``chunk_tokens`` tokens for every live request; a trainer update that starts at tick ``t`` publishes its
-weights at tick ``t + update_ticks`` (the rollout keeps generating under the old weights meanwhile, as in
-the real system). Same seed, same config: the same run, bit for bit.
+Rollout streams trajectories into a staleness-capped buffer, the trainer takes a batch whenever one is
+ready, weights are published in flight, and Li2SAO switches from group bootstrap to single rollout with
+the exact protocol of spec §4. One process, a simulated clock: each tick generates one chunk of
+``chunk_tokens`` tokens for every live request; an update that starts at tick ``t`` publishes its weights
+at tick ``t + update_ticks``. Same seed, same config: the same run, bit for bit.
 
-Switch protocol (Li2SAO, spec §4), when the gate opens after training step k:
-  1. the prefetched job -- the oldest prompt groups (ready, buffered or still generating) worth one
-     batch -- is kept and finished at group size n_b;
-  2. everything else (leftover bootstrap groups, unfinished generations, the pending buffer) is discarded;
-  3. no new prompt is launched and no weights are published until the kept job has been received;
-  4. the new group size n_s and prompt count B/n_s are installed before the next generation request;
-  5. the kept job trains as the last bootstrap batch; every later batch is single-rollout.
+Details: docs/driver.md (The loop (deterministic scheduler); Li2SAO switch protocol (spec §4)).
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """One episode as a state machine between the rollout engine and an environment (spec §1, multi-turn).
 
-The scheduler asks each live episode for its next :class:`GenerationRequest`, batches the requests into
-the engine, and hands every finished :class:`GenerationOutput` back to its episode. The episode then
-steps the environment and either finishes or appends the observation tokens and asks for the next turn.
+The scheduler asks each live :class:`Episode` for its next :class:`GenerationRequest` and hands every
+finished :class:`GenerationOutput` back; the episode steps the environment and either finishes or appends
+the observation tokens (:class:`ChatFormatter`, the chat template) and asks for the next turn. Every env
+call runs on an :class:`EnvCallPool` worker under ``EpisodeLimits.env_timeout_s``; a crash, a hang, a
+garbage return value or a failing ``close`` *aborts* the episode (excluded from training, never scored).
+Blocking use: :meth:`Episode.begin` / :meth:`Episode.on_output`; split use (the rollout manager):
+:meth:`Episode.take_output`, then :meth:`Episode.apply_step` / ``apply_reset`` / ``apply_close``.
 
-Every env call (construct, reset, step, close) runs on a worker of an :class:`EnvCallPool` under
-``EpisodeLimits.env_timeout_s``; a crash, a hang or a garbage return value *aborts* the episode (spec §1:
-excluded from training, never scored). A failing ``close`` aborts it too: an env that cannot be shut down
-cleanly may have produced its last observation or reward in a broken state.
-
-Two ways to drive an episode:
-
-* blocking (evaluation, tests): :meth:`Episode.begin` and :meth:`Episode.on_output` run the call and wait;
-* split (the rollout manager, so that many env calls run at once and a hung one delays nobody else):
-  :meth:`Episode.take_output` records the model turn and returns the action; the caller runs the step
-  however it likes and hands the outcome to :meth:`Episode.apply_step`; likewise :meth:`apply_reset` and
-  :meth:`apply_close`. With ``defer_close=True`` a finished episode leaves its close to the caller
-  (:attr:`needs_close`).
-
-Chat wrapping: the model's turn ends with the chat end token; the observation is appended as
-``\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n`` (the tokenizer's chat template), so
-the tokens seen in training are exactly those the policy saw while sampling.
+Details: docs/driver.md (Environment calls: "Two ways to drive an episode", "Chat wrapping").
 """
 
 from __future__ import annotations

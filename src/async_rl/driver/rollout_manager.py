@@ -1,25 +1,14 @@
-"""The rollout side of the driver: launches prompt groups, batches live episodes into the engine, steps
-environments, and hands finished trajectories back (spec §1).
+"""The rollout side of the driver (spec §1): :class:`RolloutManager` launches prompt groups, batches live
+episodes into the engine, steps environments, and hands finished trajectories back.
 
-Env calls. Every construct / reset / step / close is submitted to the manager's :class:`EnvCallPool`
-(persistent worker threads, so no thread is started per call) with ``limits.env_timeout_s``; the calls of
-all episodes run at the same time. A call that raises, returns garbage or times out aborts its episode
-(counted in the buffer's ``aborted`` counter and in ``rollout/aborted_trajectories``), never the run. How
-the manager waits for them depends on the scheduler:
+Every env call runs on the manager's :class:`EnvCallPool` (persistent worker threads) under
+``limits.env_timeout_s``, the calls of all episodes at once; a call that raises, returns garbage or times
+out aborts its episode, never the run (:class:`EnvsKeepFailing` once ``max_consecutive_env_aborts``
+trajectories in a row were aborted by env failures). ``wait_for_env=True`` (deterministic scheduler) resolves a tick's calls in submission order;
+``wait_for_env=False`` (concurrent) collects them as they finish. Stuck threads are bounded by
+``max_env_threads``.
 
-* ``wait_for_env=True`` (deterministic scheduler): every call submitted during a tick is resolved before
-  the tick ends, in submission order, each waited for until it returns or its deadline. Results are then
-  independent of thread timing (bit-for-bit resume), and hung calls overlap: any number of hangs in one
-  tick cost one timeout of wall time, and the other episodes' schedule on the simulated clock is exactly
-  what it would be without them.
-* ``wait_for_env=False`` (concurrent scheduler): calls are collected when they finish; generation goes on
-  meanwhile, so a hung env delays no other episode at all.
-
-A hung call keeps its worker thread until the env returns (Python cannot kill threads); those threads are
-reported (``rollout/env_leaked_threads``) and bounded by ``max_env_threads``.
-
-Deterministic: every request's sampling seed derives from the run seed, the trajectory uid and the turn,
-so a run is reproducible bit for bit for a given interleaving of generation chunks and weight updates.
+Details: docs/driver.md (Environment calls; The loop, for the sampling seeds).
 """
 
 from __future__ import annotations

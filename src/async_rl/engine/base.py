@@ -1,20 +1,13 @@
 """Training-engine interface: one model, its optimizer, and data-parallel gradient math.
 
-Loss scaling contract (the one rule that makes DP gradients exact)
-------------------------------------------------------------------
-The objective of a step is always *a global sum divided by a global count*::
+Entry points: :class:`TrainEngine` (implemented by :class:`~async_rl.engine.fsdp.FSDPEngine`),
+:class:`OptimizerConfig`, :class:`GlobalDenominator`. The loss-scaling contract: a step's objective is
+always a global sum divided by a global count; engines *sum* gradients over data-parallel ranks, and
+:meth:`TrainEngine.backward` divides the local sum by a :class:`GlobalDenominator`, which only
+:meth:`TrainEngine.global_denominator` creates (an all-reduce of the local count). So no caller multiplies
+by ``world_size``, and the DP gradient equals the full-batch single-process gradient for any split.
 
-    L = (sum over all ranks, all micro-batches of  loss_sum_local) / denominator_global
-
-e.g. token-mean: ``loss_sum_local = (per_token_loss * mask).sum()`` and
-``denominator_global = sum over ranks of mask.sum()``. Engines reduce gradients across
-data-parallel ranks by **summing** (never averaging), and :meth:`TrainEngine.backward`
-takes the numerator and the denominator separately, dividing itself. The denominator must
-be a :class:`GlobalDenominator`, which only :meth:`TrainEngine.global_denominator` creates
-(by all-reducing the local count), so a rank-local count cannot be passed by accident and
-no caller ever multiplies by ``world_size``. The result: the DP gradient equals the
-full-batch single-process gradient for any split of the batch, however unequal the token
-counts per rank.
+Details: docs/engine.md (§2 The engine interface; §3 Loss scaling for data parallelism).
 """
 
 from __future__ import annotations

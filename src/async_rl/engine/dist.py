@@ -1,20 +1,12 @@
 """Device and process-group selection, in one place.
 
-Every other module asks this one which device to compute on and which collective backend
-to use, so a CPU box (gloo) and a GPU box (NCCL) run the same code with no caller-side
-``if cuda`` branches:
+Every other module asks this one which device to compute on and which collective backend to use
+(:func:`pick_device`, :func:`pick_backend`, :func:`current_device`, :func:`init_distributed`): ``cuda:i`` with
+NCCL where CUDA is available (``i`` = :func:`local_rank`), else CPU with gloo. Everything here is safe
+to call without a process group: the helpers then describe a single process (rank 0 of world size 1)
+and collectives (:func:`all_reduce_sum`, ...) are no-ops.
 
-================  ===========  =========
-machine           device       backend
-================  ===========  =========
-CUDA available    ``cuda:i``   ``nccl``
-no CUDA           ``cpu``      ``gloo``
-================  ===========  =========
-
-``i`` is the process's local rank (``LOCAL_RANK`` env var, else ``rank % device_count``).
-
-Everything here is safe to call without a process group: the helpers then describe a
-single process (rank 0 of world size 1) and collectives are no-ops.
+Details: docs/engine.md (§1 Device and backend selection).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
-"""FSDP2 data-parallel training engine (CPU/gloo and CUDA/NCCL alike).
+"""FSDP2 data-parallel training engine (CPU/gloo and CUDA/NCCL alike): :class:`FSDPEngine`.
 
-* world size 1 (or no process group): the model is used as a plain module.
-* world size N > 1: ``torch.distributed.fsdp.fully_shard`` is applied to every decoder
-  layer, then to the root, over a 1-D device mesh of all ranks. Parameters, gradients and
-  AdamW state are sharded (ZeRO-3). The mesh device type and the collective backend come
-  from :mod:`async_rl.engine.dist` (gloo on CPU, NCCL on CUDA), never from the caller.
+World size 1 (or no process group): a plain module. World size N > 1: ``fully_shard`` on every decoder
+layer (:func:`find_shard_units`), then on the root, over a 1-D mesh of all ranks (ZeRO-3); device and
+backend come from :mod:`async_rl.engine.dist`. Gradients are reduce-scattered with a plain SUM, the
+normalisation lives in :meth:`TrainEngine.backward` (:mod:`async_rl.engine.base`). ``precision`` (fp32
+master weights always): :mod:`async_rl.engine.precision`; ``activation_checkpointing=True``:
+:func:`enable_activation_checkpointing`.
 
-Gradients are reduce-scattered with a plain SUM (``set_gradient_divide_factor(1.0)``
-plus ``set_force_sum_reduction_for_comms(True)``, which also avoids AVG/PREMUL_SUM ops that
-gloo lacks); the normalisation lives in :meth:`TrainEngine.backward` (see
-:mod:`async_rl.engine.base`).
-
-Precision (``precision="bf16"|"fp32"``): parameters are always cast to float32 (master
-weights: a bf16 checkpoint is trained in float32), so gradients and AdamW state are float32;
-``"bf16"`` computes under bf16 autocast, plus FSDP2's ``MixedPrecisionPolicy`` when sharded (see
-:mod:`async_rl.engine.precision`). ``activation_checkpointing=True`` recomputes every decoder block
-in backward instead of keeping its activations (:func:`enable_activation_checkpointing`).
-
-Why not verl's own FSDP engine: see ``docs/engine.md`` (it resolves the device through
-verl's platform layer, which has no CPU platform and falls back to CUDA).
+Details: docs/engine.md (§2 The engine interface, §3 Loss scaling, §4 Why verl's FSDP engine is not
+wrapped, §7 Precision and memory-bounded updates).
 """
 
 from __future__ import annotations

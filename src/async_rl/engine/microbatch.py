@@ -1,31 +1,14 @@
 """Micro-batches by token budget (``trainer.max_tokens_per_micro_batch``), the way verl's dynamic batch
 size bounds activation memory, plus an optional row cap (``trainer.micro_batch_size``).
 
-What a micro-batch costs
-------------------------
-Rows are ``[prompt, left-padded to P | response, right-padded to T]``. The forward passes in
-:mod:`async_rl.models.logprobs`, :class:`~async_rl.models.critic.CriticModel` and the SAPO role drop
-the columns that are padding in *every* row of the micro-batch (:func:`trim_bounds`), so a
-micro-batch of ``n`` rows runs the model on ``n x (max prompt width + max response width)`` tokens,
-where a row's prompt width counts from its first real prompt token to the end of the prompt slot
-(at least 1: the last prompt column predicts the first response token) and its response width from
-the start of the response slot to its last real token (at least 1). That padded count is what the
-budget bounds.
+A micro-batch of ``n`` rows costs ``n x (max prompt width + max response width)`` tokens once the
+all-padding columns are dropped (:func:`trim_bounds`, :func:`padded_tokens`). :func:`pack_rows` packs rows
+**in order** within the budget, so outputs concatenate back into batch order and no trajectory is split;
+:class:`MicroBatchPlan` also makes every data-parallel rank run the same number of micro-batches
+(:meth:`MicroBatchPlan.split`). Gradient accumulation is exact: every micro-batch divides by the step's
+:class:`~async_rl.engine.base.GlobalDenominator`.
 
-Packing rule
-------------
-Rows are taken **in order** and added to the current micro-batch while its padded count stays
-within the budget (and its row count within the cap); a row that would overflow starts the next
-micro-batch, and a row that exceeds the budget on its own gets a micro-batch by itself. Keeping the
-order means concatenating per-micro-batch outputs restores the batch order with no permutation, and
-a trajectory is never split (per-trajectory losses stay whole). Gradient accumulation is exact because
-every micro-batch divides by the step's :class:`~async_rl.engine.base.GlobalDenominator`, computed once
-over the whole batch before the loop.
-
-Data parallelism: FSDP runs collectives inside every forward, so all ranks must run the same number
-of micro-batches. :meth:`MicroBatchPlan.split` takes the largest count over the ranks (one
-all-reduce) and splits this rank's largest micro-batches until it has that many (splitting never
-breaks the budget).
+Details: docs/engine.md (§7 Precision and memory-bounded updates, "Micro-batches by token budget").
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
-"""Compute precision of a training engine and the "inside the root call" hook.
+"""Compute precision of a training engine (``trainer.precision``) and the "inside the root call" hook.
 
-Precision (``trainer.precision``)
----------------------------------
-``"fp32"``: parameters, gradients, AdamW state and compute all in float32.
+``"fp32"``: everything in float32. ``"bf16"``: master weights, gradients and AdamW state stay float32;
+only the forward/backward math runs in bfloat16, under ``torch.autocast`` around the root module's
+forward (:func:`install_root_forward`) plus, when sharded, FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``; without bf16 autocast on the device (:func:`bf16_supported`) it falls back to
+float32 with a warning. :func:`call_inside_root` runs ``fn(module, **kwargs)`` as the body of
+``module(...)``, so FSDP's hooks and the precision context wrap it like a normal forward (chunked
+log-probs, SAPO's readouts).
 
-``"bf16"``: **master weights, gradients and AdamW state stay float32**; only the forward/backward
-math runs in bfloat16. The same two pieces are used on every device and world size:
-
-* ``torch.autocast(device_type, dtype=torch.bfloat16)`` around the root module's forward
-  (installed by :func:`install_root_forward`), so matmuls run in bf16 while the float32
-  parameters stay what the optimizer updates;
-* when the model is sharded (world size > 1), FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
-  reduce_dtype=fp32)`` as well: all-gathers move bf16 copies of the parameters (half the bytes;
-  they are freed after each block like any unsharded parameter) and gradients are reduce-scattered
-  in float32 onto the float32 shards. Without it, autograd would keep a bf16 cast of every weight
-  alive until backward, one full model copy per rank.
-
-Why master weights matter: bf16 has 8 significant bits, so near ``|w| = 0.02`` its spacing is
-``2**-6 * 2**-7 = 1.2e-4``; an AdamW step of ``lr = 1e-6`` rounds back to the same bf16 value and
-the model never changes. In float32 (spacing ``1.9e-9`` there) the same step is kept.
-
-Where bf16 autocast is not available on the device (:func:`bf16_supported`), ``"bf16"`` falls back
-to float32 compute with a warning; :attr:`FSDPEngine.compute_dtype` reports what is used.
-
-Inside the root call
---------------------
-Chunked log-probs (:mod:`async_rl.models.logprobs`) and SAPO's readouts need the backbone's hidden
-states and the LM head, not the model's full-vocabulary logits. Under FSDP2 the root module's own
-parameters (embeddings, final norm, LM head) are only gathered -- and their gradients only reduced --
-when the *root module itself* is called, and autocast is entered there too. :func:`call_inside_root`
-therefore runs an arbitrary ``fn(module, **kwargs)`` as the body of ``module(...)``: FSDP's hooks and
-the precision context wrap it exactly as they wrap a normal forward.
+Details: docs/engine.md (§7 Precision and memory-bounded updates: "Precision", "Inside the root call").
 """
 
 from __future__ import annotations

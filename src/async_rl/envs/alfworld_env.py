@@ -1,33 +1,15 @@
 """ALFWorld (text) on the real ``alfworld`` package: :class:`AlfWorldEnv`, registered as ``"alfworld"``.
 
-ALFWorld's text games are TextWorld PDDL games (``game.tw-pddl``). Each episode loads one game file with
-textworld's PDDL backend (``textworld.envs.PddlEnv``, which needs ``fast-downward-textworld``), wrapped in
-alfworld's own ``AlfredDemangler`` (``Mug_bar__plus_00_dot_52...`` -> ``mug 1``) and ``AlfredInfos``,
-asking for ``won`` and ``admissible_commands``: the same stack ``AlfredTWEnv.init_env`` registers with
-``textworld.gym``, minus gym's batching and process pool.
+Each episode plays one TextWorld PDDL game (``game.tw-pddl``) on textworld's ``PddlEnv`` wrapped in
+alfworld's ``AlfredDemangler`` and ``AlfredInfos`` (the stack ``AlfredTWEnv`` uses, minus gym). Reward 1.0
+when the game is won, at most ``max_turns`` (50) turns; an action that is not admissible is not sent to the
+game (``info["invalid_action"]``). Entry points: :func:`make_alfworld_tasks` (scans
+``$ALFWORLD_DATA/json_2.1.1/<split>/``), :func:`make_alfworld_tasks_from_config` and
+:func:`alfworld_env_kwargs` (``conf/env/alfworld.yaml``), :func:`build_prompt`, :func:`parse_action`,
+:func:`success_by_category`. ``alfworld`` is imported lazily: without it ``reset`` raises
+:class:`AlfWorldNotInstalled` saying what to install.
 
-Task record: ``{"id", "game_file", "category"}`` (``category`` optional: read from ``traj_data.json``
-next to the game, else from the folder name). :func:`make_alfworld_tasks` builds them by scanning
-``$ALFWORLD_DATA/json_2.1.1/<split>/`` the way ``AlfredTWEnv.collect_game_files`` does;
-:func:`make_alfworld_tasks_from_config` and :func:`alfworld_env_kwargs` read ``conf/env/alfworld.yaml``.
-
-Episode (``max_turns`` = 50 by default):
-
-* ``reset(task)`` returns the first prompt (:func:`build_prompt`): the task, the room description, the
-  admissible actions, and the instruction to answer ``<think>...</think><action>...</action>``.
-* ``step(text)`` takes the content of the *last* ``<action>...</action>`` (:func:`parse_action`). An
-  action that is not one of the admissible actions shown (no tag, empty, or not in the list, ``help``
-  included) is **not sent to the game**: ``info["invalid_action"] = True``, the turn counts, and the
-  feedback is ``"Nothing happens."`` (what the game itself answers to any non-admissible command, so
-  the game state is the same either way). An admissible action is played in the game.
-* reward 1.0 on the step where the game reports ``won`` (then ``done``), else 0.0; the episode also ends
-  after ``max_turns`` steps (``info["out_of_turns"] = True``). The observation of a non-final step is the
-  next prompt, with the most recent ``history_length`` (observation, action) pairs; it is ``""`` when done.
-* ``info``: ``success`` (= won), ``won``, ``invalid_action``, ``category`` (Pick, Look, Clean, Heat, Cool,
-  Pick2), ``task_type``, ``turn``, ``action`` (parsed, or None), ``feedback`` (the game's text).
-
-The ``alfworld`` package is imported lazily: this module, the prompt builder, the parser and the task
-scanner work without it; ``reset`` raises :class:`AlfWorldNotInstalled` saying what to install.
+Details: docs/alfworld.md (How a game is played; Install).
 """
 
 from __future__ import annotations
@@ -43,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.demonstrations import ALFWORLD_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
 
 __all__ = [
@@ -658,6 +641,58 @@ class AlfWorldEnv(Env):
                 pass
 
 
+#: the ALFWorld games shipped in the repository (relative to its root), evaluated when the real data is missing
+MINI_ALFWORLD_DIRS = ("recipes/data/alfworld", "tests/fixtures/alfworld")
+#: splits tried, in order, on the shipped mini set when the requested one has no games there
+MINI_ALFWORLD_SPLITS = ("valid_unseen", "valid_seen")
+FETCH_ALFWORLD = "alfworld-download"
+
+
+def _split_games(data_dir: Any, split: str) -> int:
+    """Playable games of ``split`` under ``data_dir`` (0 when the folder or its game files are missing)."""
+    try:
+        return len(make_alfworld_tasks(data_dir=data_dir, split=split, seed=None))
+    except FileNotFoundError:
+        return 0
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def alfworld_eval_data(env_cfg: Any, split: str, mini_root: Path | None = None) -> tuple[Any, str, str | None]:
+    """``(env_cfg, split, note)`` with games to play: the configured data when its split has any, else (when
+    ``mini_root``, the repository root, is given) the mini set shipped there, with a note saying so. The check
+    looks for game files, not folders: importing alfworld creates an empty ``~/.cache/alfworld``."""
+    from omegaconf import OmegaConf
+
+    if split not in ALFWORLD_SPLITS:
+        raise ValueError(f"env.eval_split={split!r} is not an ALFWorld split; valid: {', '.join(ALFWORLD_SPLITS)}")
+    root = resolve_data_dir(env_cfg.get("data_dir"))
+    if _split_games(root, split):
+        return env_cfg, split, None
+    have = [name for name in ("train", "valid_seen", "valid_unseen") if _split_games(root, name)]
+    problem = (f"no ALFWorld games for env.eval_split={split} (json_2.1.1/{ALFWORLD_SPLITS[split]}/*/*/ with "
+               f"traj_data.json and game.tw-pddl) under env.data_dir={root}"
+               + (f"; splits with games there: {have}" if have else ""))
+    fix = (f"run `{FETCH_ALFWORLD}` (it fills $ALFWORLD_DATA, default ~/.cache/alfworld), or set "
+           "env.data_dir=<the folder holding json_2.1.1/>" + (f", or env.eval_split=<one of {have}>" if have else ""))
+    if mini_root is not None:
+        for mini_dir in (Path(mini_root) / d for d in MINI_ALFWORLD_DIRS):
+            for mini_split in (split, *MINI_ALFWORLD_SPLITS):
+                count = _split_games(mini_dir, mini_split)
+                if count:
+                    note = (f"{problem}. Evaluating the mini set shipped in the repo instead: {_shown(mini_dir)}, "
+                            f"split {mini_split} ({count} game{'s' if count != 1 else ''}: a smoke test, not a "
+                            f"benchmark). For the real games: {fix}.")
+                    return OmegaConf.merge(env_cfg, {"data_dir": str(mini_dir)}), mini_split, note
+    raise ValueError(f"{problem}. To fix: {fix}.")
+
+
 register_env_facts("alfworld", EnvFacts(make_tasks=make_alfworld_tasks_from_config,
                                         env_kwargs=lambda c: dict(alfworld_env_kwargs(c)), multi_turn=True,
-                                        eval_split="eval_out_of_distribution"))
+                                        eval_split="eval_out_of_distribution",
+                                        demonstrations=ALFWORLD_DEMONSTRATIONS, eval_data=alfworld_eval_data))

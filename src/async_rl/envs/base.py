@@ -1,24 +1,16 @@
 """The one environment interface shared by every task (math, ReTool, ALFWorld, WebShop, toy tasks).
 
-An environment is a small, synchronous state machine driven by text:
-
     env = make_env("math")
     prompt = env.reset({"id": "q1", "prompt": "What is 2+3?", "answer": "5"})
     result = env.step("... so the answer is \\boxed{5}")   # StepResult(observation, reward, done, info)
 
-Rollout drivers never call an env directly. Every call -- construction, ``reset``, ``step``, ``close`` --
-goes through :func:`run_env_construct`, :func:`run_env_reset`, :func:`run_env_step`, :func:`run_env_close`
-(or :func:`arun_env_step` / :func:`arun_env_reset` under asyncio, or :meth:`EnvCallPool.submit` to start
-several at once). They run the call on a persistent worker thread of an :class:`EnvCallPool` with a
-timeout and turn an exception, a hang or an invalid return value inside the environment into an *aborted*
-outcome. An aborted call is a distinct outcome, never a reward of 0 or -1: the trajectory is broken
-through no fault of the policy, so the trainer should drop it (or retry the task) instead of learning
-from a made-up reward (spec §1).
+Rollout drivers never call an env directly: :func:`run_env_construct`, :func:`run_env_reset`,
+:func:`run_env_step`, :func:`run_env_close` (or :func:`arun_env_step` / :func:`arun_env_reset`, or
+:meth:`EnvCallPool.submit`) run the call on a worker thread with a timeout and turn an exception, a hang or
+an invalid return value into an *aborted* outcome: dropped, never a reward (spec §1). Registry:
+``@register_env("name")`` and :func:`make_env`.
 
-Registry: ``@register_env("name")`` on an :class:`Env` subclass (or any factory callable) makes it
-available to :func:`make_env`. The built-in environments register themselves when
-``async_rl.envs`` is imported (which importing this module already does, because it lives in that
-package).
+Details: docs/tasks.md (Environment interface).
 """
 
 from __future__ import annotations

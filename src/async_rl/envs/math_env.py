@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.demonstrations import MATH_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
 from async_rl.rewards.math_reward import MathVerifier, grade_answer, reference_answer
 
@@ -104,4 +105,5 @@ def _math_tasks(env_cfg: Any, seed: int) -> list[dict[str, Any]]:
     return make_math_tasks(env_cfg, seed)
 
 
-register_env_facts("math", EnvFacts(make_tasks=_math_tasks, env_kwargs=math_env_kwargs))
+register_env_facts("math", EnvFacts(make_tasks=_math_tasks, env_kwargs=math_env_kwargs,
+                                    demonstrations=MATH_DEMONSTRATIONS))

@@ -1,42 +1,16 @@
 """ReTool: multi-turn math with a Python interpreter (ReTool, Feng et al. 2025), registered as ``"retool"``.
 
-Episode::
-
     prompt = env.reset({"id", "prompt", "answer"})       # the question wrapped in PROMPT_TEMPLATE
     env.step("Let me compute. <code>print(37*91-12)</code>")
         -> StepResult("<interpreter>\\n3355\\n</interpreter>", 0.0, done=False)
     env.step("So the answer is \\boxed{3355}.")
         -> StepResult("", 1.0, done=True, info={"success": True, ...})
 
-The exact rule for one model turn (``action_text``):
+A turn with ``<code>`` blocks runs them in the shared sandbox (:func:`get_shared_sandbox`); a turn without
+code is the final answer, graded by ``math_score``. A sandbox infrastructure failure raises
+:class:`SandboxInfrastructureError` (an aborted step). Tasks: :func:`make_retool_tasks`.
 
-1. **Code blocks.** Every complete ``<code>...</code>`` block, in order. Inside a block, a fenced
-   ```` ```python ... ``` ```` (or ```` ```py ````, or a bare ```` ``` ````) is unwrapped, so both
-   ``<code>print(1)</code>`` and ``<code>\\n```python\\nprint(1)\\n```\\n</code>`` (ReTool's SFT format)
-   run ``print(1)``. When the turn has no ``<code>`` block, every complete fenced block tagged
-   ```` ```python ```` / ```` ```py ```` counts instead (untagged fences do not: they often show output).
-   An unterminated block (generation cut off) does not count.
-2. **A turn with code** runs all its blocks joined by a newline as one program, in a fresh interpreter
-   (``persist_state=True`` first replays the earlier turns' code with its output silenced, so variables
-   carry over like a notebook; turns stopped by a time/memory limit are not replayed). The observation is
-   ``"<interpreter>\\n" + output + "\\n</interpreter>"``: stdout, then stderr (tracebacks, with the
-   sandbox's file path replaced by ``<code>``), or ``(no output)``; longer than ``max_observation_chars``
-   keeps the head and the tail around ``...[N chars truncated]...``. A timeout, the memory limit and other
-   kills are described in the output too: a failure of the *model's code* is something it should see and
-   fix. Reward 0, not done. Any ``\\boxed{}`` in a code turn is ignored.
-3. **A turn without code** is the final answer: done, reward ``math_score(turn, answer)`` (the last
-   closed, non-empty ``\\boxed{}``; the last number only with ``fallback_last_number``; 1.0 or 0.0).
-   ``info["invalid_action"]`` is True when no answer can be extracted at all.
-4. **Out of turns.** The ``max_turns``-th turn ends the episode; if it still has code, the code is not run,
-   reward 0 and ``info["out_of_turns"] = True``.
-5. **Infrastructure failures** (``SandboxResult.sandbox_failed``: ``sandbox_error`` / ``unreachable``, or a
-   sandbox that cannot be created) raise :class:`SandboxInfrastructureError`. Rollout drivers call
-   ``step`` through ``run_env_step``, which turns the exception into an *aborted* step: the trajectory
-   is dropped, never scored.
-
-The sandbox (``make_sandbox(sandbox_kind, **sandbox_kwargs)``; ``local`` by default, ``fusion`` for a
-SandboxFusion server) is created on first use and shared by every env with the same settings in the
-process (:func:`get_shared_sandbox`); ``close()`` never closes it. Pass ``sandbox=`` to use your own.
+Details: docs/evaluation.md (The ReTool format).
 """
 
 from __future__ import annotations
@@ -49,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.demonstrations import RETOOL_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
 from async_rl.rewards.math_reward import MathVerifier, extract_answer, grade_answer
 
@@ -430,4 +405,5 @@ def _create_sandbox(env: "ReToolEnv") -> None:
 
 
 register_env_facts("retool", EnvFacts(make_tasks=make_retool_tasks, env_kwargs=lambda c: dict(retool_env_kwargs(c)),
-                                      multi_turn=True, check_at_start=_create_sandbox))
+                                      multi_turn=True, check_at_start=_create_sandbox,
+                                      demonstrations=RETOOL_DEMONSTRATIONS))

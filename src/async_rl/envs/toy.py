@@ -1,43 +1,13 @@
 """Two tiny embedded tasks for the demo and the CPU tests: ``toy_keys`` (multi-turn) and ``toy_echo``.
 
-Both are deterministic functions of the task record, give a binary terminal reward (1.0 on success,
-0.0 otherwise) and report ``info["success"]`` and ``info["invalid_action"]`` on every step.
+``toy_keys`` (``max_turns = 4``): ``look`` shows ``"The key is D."``; ``open D`` ends the episode, reward
+1.0 iff ``D`` is the key. ``toy_echo`` (single turn): reward 1.0 iff the last ``\\boxed{...}`` holds the
+prompt's digit. Both give a binary terminal reward and report ``success`` and ``invalid_action``. Entry
+points: :func:`make_toy_tasks`, :func:`optimal_action`, :func:`play_episode`, :func:`parse_keys_action`,
+:func:`observation_text` (the exact chat text the rollout appends after each policy message). Importing
+this module registers both names.
 
-``toy_keys`` (multi-turn, ``max_turns = 4``)
-    Task record: ``{"id", "env": "toy_keys", "key": 0..9, "prompt"}``. The prompt is
-    :data:`TOY_KEYS_PROMPT`; it does not reveal the key. Actions (see :func:`parse_keys_action`):
-
-    * ``look``   -> observation ``"The key is 7."``, reward 0, not done;
-    * ``open D`` -> done; reward 1.0 iff ``D == key``;
-    * anything else -> observation ``"Invalid action."``, ``invalid_action=True``, reward 0, not done.
-
-    The 4th step always ends the episode (reward 0 unless it is the correct ``open``). Optimal play is
-    ``look`` then ``open <key>`` (100 % success); opening a random digit right away succeeds 10 %.
-
-    Long-tailed variant (``make_toy_tasks(..., long_tail=...)``): the task carries ``forced_first_turn``,
-    the episode's first turn is a thinking turn of a forced, lognormally drawn length
-    (:func:`async_rl.driver.episode.forced_turn_tokens`), and the env answers it with
-    ``"Now act."`` (reward 0, not a turn of the 4).
-
-``toy_echo`` (single turn)
-    Task record: ``{"id", "env": "toy_echo", "code": 0..9, "prompt"}`` with the prompt
-    ``"Repeat the code 7 inside \\boxed{}."``. Reward 1.0 iff the content of the *last* ``\\boxed{...}``
-    in the answer, stripped of spaces, equals the digit. No ``\\boxed{}`` at all is an invalid action.
-
-Action format (one rule for both tasks, chosen to be short enough for the tiny model to learn):
-an assistant message is ``[<think> free words </think>\\n]ACTION``. An optional thinking block is
-ignored (everything up to the last ``</think>`` is dropped). For ``toy_keys`` the action is then the
-content of the last ``<action>...</action>`` tag if there is one, otherwise the last non-empty line;
-it must be ``look`` or ``open D`` (one digit), compared case-insensitively with surrounding spaces and
-a trailing ``.`` ignored. The SFT demonstrations (:mod:`async_rl.models.sft`) always use the bare-line
-form: ``look``, ``open 7``, ``\\boxed{7}``.
-
-Multi-turn transcript: after the policy's message (which ends with ``<|im_end|>``), the rollout appends
-exactly :func:`observation_text` ``(obs)`` = ``"\\n<|im_start|>user\\n" + obs + "<|im_end|>\\n<|im_start|>assistant\\n"``,
-which is what the Qwen-style chat template produces for a ``user`` message carrying the observation
-followed by the generation prompt; the SFT demonstrations are rendered with the same text.
-
-Importing this module registers both names with :func:`async_rl.envs.base.register_env`.
+Details: docs/toy_tasks.md (The tasks; Chat layout).
 """
 
 from __future__ import annotations
@@ -47,6 +17,7 @@ import re
 from typing import Any, Sequence
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.demonstrations import TOY_ECHO_DEMONSTRATIONS, TOY_KEYS_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
 
 __all__ = [
@@ -330,10 +301,10 @@ def play_episode(
     }
 
 
-def _toy_facts(name: str) -> EnvFacts:
+def _toy_facts(name: str, demonstrations) -> EnvFacts:
     return EnvFacts(make_tasks=lambda env_cfg, seed: make_toy_tasks(name, env_cfg.num_tasks, seed=seed),
-                    toy_eval_set=True)
+                    toy_eval_set=True, demonstrations=demonstrations)
 
 
-register_env_facts("toy_keys", _toy_facts("toy_keys"))
-register_env_facts("toy_echo", _toy_facts("toy_echo"))
+register_env_facts("toy_keys", _toy_facts("toy_keys", TOY_KEYS_DEMONSTRATIONS))
+register_env_facts("toy_echo", _toy_facts("toy_echo", TOY_ECHO_DEMONSTRATIONS))

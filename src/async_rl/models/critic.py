@@ -1,31 +1,13 @@
 """Value model (critic) built from a causal LM policy checkpoint.
 
-``CriticModel`` keeps the policy's transformer backbone (``causal_lm.model`` for HF
-decoder models), drops its LM head and adds a scalar value head ``nn.Linear(hidden, 1)``.
+:class:`CriticModel` keeps the policy's transformer backbone (``causal_lm.model`` for HF decoder
+models), drops its LM head and adds a scalar value head ``nn.Linear(hidden, 1)`` (bias 0, small random
+weight: initial values near 0 but not exactly 0). ``values[:, t]`` is V of the state made of tokens
+``0..t``, so ``response_slice(values, R)`` aligns with the actor's response log-probs, as GAE needs.
+:func:`freeze_attention` / :func:`from_pretrained_policy` freeze every ``self_attn`` / ``self_attention``
+parameter; freeze *before* building the training engine.
 
-Value alignment
----------------
-``forward(input_ids, attention_mask)`` returns ``values`` of shape (bs, T) where
-``values[:, t]`` is V(s_t) for the state made of tokens ``0..t`` -- the same position whose
-logit predicts token ``t + 1``. So the value of the state *before* response token ``j`` is
-read at the column that predicts token ``j``: ``response_slice(values, R)`` (columns
-``T - R - 1 .. T - 2``), exactly like the actor's response log-probs. That is what GAE
-needs: ``values[:, j]`` pairs with the action ``response[:, j]`` taken from that state.
-
-Value head initialisation
--------------------------
-Bias 0, weight ~ N(0, (init_scale / sqrt(hidden))^2). The backbone's last hidden state is
-RMS-normalised (per-coordinate scale ~1), so initial values have std ~``init_scale``
-(0.02 by default) regardless of width: close to 0 so early advantages are dominated by
-rewards, but not exactly zero, so the backbone gets a gradient from the first step (a
-zero-initialised head would send zero gradient into the backbone on step one).
-
-Frozen attention
-----------------
-:func:`freeze_attention` sets ``requires_grad=False`` on every parameter whose name contains
-``self_attn`` (HF) or ``self_attention`` (Megatron). Norms, MLPs, embeddings and the value
-head stay trainable. Freeze *before* building the optimizer / training engine so the frozen
-parameters are not handed to the optimizer at all.
+Details: docs/engine.md (§6 Critic: alignment, init, frozen attention).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Trained models out: the policy as a Hugging Face model directory, and where the last one is.
 
 At the end of a run ``async_rl.train`` calls :func:`export_run_policy`, which writes
-``outputs/<run>/model/``::
+``outputs/<run>/model/`` (``config.json`` with an ``"async_rl"`` field, ``model*.safetensors`` sharded at
+5 GB with ``model.safetensors.index.json``, ``generation_config.json``, the tokenizer, a ``README.md`` model
+card) and points ``outputs/last_run.json`` at it, so ``make eval`` / ``make plots`` without arguments find
+the latest model and its run (:func:`read_last_run`). For SAPO (spec §5) the two reserved value-readout ids
+stay reserved: recorded in the config, suppressed in the generation config, read back by
+:func:`banned_token_ids_of`.
 
-    config.json              the base checkpoint's config + an "async_rl" field (algorithm, env, step,
-                             run directory; for SAPO the two reserved value-readout ids, see below)
-    model*.safetensors       the actor's weights (sharded at 5 GB, with model.safetensors.index.json)
-    generation_config.json   the base model's (SAPO: the reserved ids in suppress_tokens)
-    tokenizer files          the base model's tokenizer, unchanged
-    README.md                a model card: what trained it, how to evaluate it, SAPO's readout
-
-and points ``outputs/last_run.json`` at it, so ``make eval`` / ``make plots`` without arguments find
-the latest exported model and its run (:func:`read_last_run`).
-
-**SAPO (spec §5).** The policy never samples ``w+`` / ``w-``: their logits are the value readouts
-``V = R_max clip((z+ - z-)/τ_v, -1, 1)``. The exported config records them under
-``async_rl.sapo_reserved_token_ids`` (with the token strings, τ_v and R_max), the generation config
-suppresses them so ``transformers.generate`` bans them too, and ``async_rl.eval`` reads them back
-(:func:`banned_token_ids_of`) and bans them in its sampler, exactly as training did.
+Details: docs/evaluation.md (Exported models and ``make eval`` without arguments); docs/sapo.md (Reserved ids).
 """
 
 from __future__ import annotations

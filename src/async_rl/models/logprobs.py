@@ -1,34 +1,14 @@
 """Per-token log-probabilities, entropies and response-aligned forwards of a causal LM.
 
-Layout convention (the verl one, used by rollout, actor and critic alike)::
+Layout (the verl one): ``input_ids (bs, T) = [prompt, left-padded to P | response, right-padded to R]``;
+the output at column ``t`` predicts token ``t + 1``, so the response-aligned slice of any per-position
+output is ``x[:, T - R - 1 : T - 1]`` (:func:`response_slice`). :func:`token_logprobs_from_logits`
+reproduces a sampler's distribution exactly (float32, temperature, banned ids at ``-inf``), so it equals
+the behaviour log-prob the rollout recorded. :func:`response_token_logprobs` never builds the
+``(bs, R, V)`` logits: it applies the LM head in checkpointed chunks (:func:`chunked_head_logprobs`)
+inside the model's own call.
 
-    input_ids      (bs, T)   = [ prompt, left-padded to P | response, right-padded to R ]
-    attention_mask (bs, T)     1 on real tokens, 0 on padding;  T = P + R
-    response_len   R           the fixed width of the response slot (the last R columns)
-
-A causal LM's output at position ``t`` has seen tokens ``0..t`` and predicts token
-``t + 1``. The response token in column ``P + j`` (``j = 0..R-1``) is therefore predicted
-by the output at column ``P + j - 1``, i.e. the response-aligned slice of any per-position
-output ``x`` (logits, hidden states, values) is ``x[:, T - R - 1 : T - 1]``
-(:func:`response_slice`).
-
-Behaviour log-probs must match what the rollout engine recorded when it sampled, so
-:func:`token_logprobs_from_logits` reproduces a sampler's distribution exactly: logits are
-upcast to float32, divided by the sampling temperature, banned token ids are removed from
-the softmax (logit set to ``-inf``), then ``log_softmax`` is read at the label.
-
-Memory: no full-vocabulary logits for the whole batch
------------------------------------------------------
-:func:`response_token_logprobs` never builds the ``(bs, R, V)`` float32 logits. It takes the
-backbone's hidden states (:func:`causal_lm_parts`) and applies the LM head ``chunk_tokens``
-positions at a time (:func:`chunked_head_logprobs`); under autograd each chunk is a non-reentrant
-checkpoint, so backward recomputes that chunk's logits instead of keeping them. Peak logits memory is
-one ``(chunk_tokens, V)`` block instead of ``(bs x R, V)``. Temperature, banned ids, the float32
-upcast and the formulas are the same functions as the direct path, so both agree to rounding. The
-whole computation runs inside the model's own call (:func:`async_rl.engine.precision.call_inside_root`),
-so FSDP2 gathers and reduces the LM head as in a normal forward and the engine's precision applies.
-Columns that are padding in every row are dropped first (:func:`async_rl.engine.microbatch.trim_bounds`);
-their outputs are 0.
+Details: docs/engine.md (§5 Log-probs and response alignment).
 """
 
 from __future__ import annotations

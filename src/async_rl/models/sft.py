@@ -1,33 +1,17 @@
 """Supervised warm start on noisy demonstrations: the toy tasks (``toy_keys`` / ``toy_echo``) and, for the
-SIZE=tiny recipes, scripted episodes of the real tasks (math, retool, alfworld, webshop;
-:func:`sft_warm_start_on_tasks`, see the last section and recipes/README.md).
+SIZE=tiny recipes, scripted episodes of the real tasks (math, retool, alfworld, webshop).
 
-A randomly initialised tiny model cannot even produce the action format, so RL on it would never see a
-reward. :func:`sft_warm_start` fine-tunes it on chat-formatted demonstrations of which a fraction
-``noise`` are deliberately wrong, so that the result behaves like a weak pretrained model: it knows the
-format and sometimes solves the task (roughly 15-50 % success at temperature 1), leaving RL room to
-improve.
-
-Training has two phases under one optimizer: the first ``clean_fraction`` of the steps use clean
-demonstrations (the model learns the format and to read the digit from the prompt/observation; under
-heavy noise alone the tiny model does not learn that copy within a CPU-friendly budget), the rest use
-the noisy ones, which pull the policy's success rate down to about the demonstrations' success rate.
-
-Demonstrations are rendered with the tokenizer's own chat template and tokenised turn by turn, exactly
-as the multi-turn rollout builds its context:
-
-* prompt = ``apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)``;
-* each assistant message = its text + ``<|im_end|>`` (the only tokens with a loss);
-* each observation = :func:`async_rl.envs.toy.observation_text` ``(obs)``, i.e. the chat template's
-  ``\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>assistant\\n`` (no loss).
-
-An assistant message is ``[<think> w1 ... wk </think>\\n]ACTION`` with ``k`` geometric (mean
-``think_tokens_mean``, ``k = 0`` means no thinking block), so response lengths are long-tailed.
+:func:`sft_warm_start` turns a random tiny model into a weak policy (it knows the format and sometimes
+succeeds): assistant-only SFT on chat-rendered demonstrations, clean first, then with a fraction ``noise``
+wrong. Demonstrations are tokenised exactly as the multi-turn rollout builds its context.
+:func:`sft_warm_start_on_tasks` serves the real tasks; :func:`sample_success_rate` measures the result.
 
 CLI::
 
     python -m async_rl.models.sft --model DIR --out DIR --env toy_keys [--noise 0.7 --steps 450 ...]
         [--eval-tasks 100]   # also sample the result at temperature 1 and print its success rate
+
+Details: docs/toy_tasks.md (SFT warm start; Chat layout); recipes/README.md (the real tasks).
 """
 
 from __future__ import annotations
@@ -38,20 +22,15 @@ import json
 import math
 import os
 import random
-import re
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from async_rl.envs.toy import (
-    TOY_ENV_NAMES,
-    ToyEchoEnv,
-    ToyKeysEnv,
-    make_toy_tasks,
-    observation_text,
-)
+from async_rl.envs.base import make_env
+from async_rl.envs.facts import Demonstrations, demonstration_env_names, env_facts
+from async_rl.envs.toy import make_toy_tasks, observation_text  # (importing async_rl.envs registers every env)
 
 __all__ = [
     "DEFAULTS",
@@ -71,11 +50,21 @@ IGNORE_INDEX = -100
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
-# Defaults chosen so the default tiny model lands in the target success band (see docs/toy_tasks.md).
+
+def _demonstrations(name: str, toy: bool) -> Demonstrations:
+    """The env's registered scripted demonstrations (``envs/demonstrations.py``), of the kind asked for."""
+    demos = env_facts(name).demonstrations if name in demonstration_env_names(toy) else None
+    if demos is None:
+        kind = "toy" if toy else "task"
+        raise ValueError(f"no scripted demonstrations for env {name!r} here; {kind} envs with them: "
+                         f"{', '.join(demonstration_env_names(toy))}")
+    return demos
+
+
+# The built-in envs' warm-start defaults, registered with their demonstrations (envs/demonstrations.py):
+# toy ones chosen so the default tiny model lands in the target success band (docs/toy_tasks.md)
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "toy_keys": {"noise": 0.7, "steps": 450, "clean_fraction": 2 / 3, "blind_fraction": 1.0},
-    "toy_echo": {"noise": 0.7, "steps": 450, "clean_fraction": 2 / 3},
-}
+    name: dict(_demonstrations(name, toy=True).sft_defaults) for name in demonstration_env_names(toy=True)}
 DEFAULT_NUM_DEMOS = 1024
 DEFAULT_LR = 6e-3
 DEFAULT_BATCH_SIZE = 32
@@ -164,22 +153,6 @@ def think_filler(rng: random.Random, mean_words: float, max_words: int = MAX_THI
     return "<think> " + " ".join(rng.choice(_FILLER_WORDS) for _ in range(k)) + " </think>\n"
 
 
-def _demo_actions(env_name: str, task: dict[str, Any], noisy: bool, rng: random.Random,
-                  blind_fraction: float) -> list[str]:
-    """Bare action sequence of one demonstration (observations come from the env itself)."""
-    if env_name == "toy_keys":
-        key = int(task["key"])
-        if not noisy:
-            return ["look", f"open {key}"]
-        if rng.random() < blind_fraction:  # blind guess: skip `look` (right 10 % of the time by luck)
-            return [f"open {rng.randrange(10)}"]
-        wrong = rng.choice([d for d in range(10) if d != key])
-        return ["look", f"open {wrong}"]
-    code = int(task["code"])
-    digit = rng.choice([d for d in range(10) if d != code]) if noisy else code
-    return [f"\\boxed{{{digit}}}"]
-
-
 def make_noisy_demonstrations(
     env_name: str | None,
     tasks: Sequence[dict[str, Any]],
@@ -210,20 +183,14 @@ def make_noisy_demonstrations(
     demos: list[dict[str, Any]] = []
     for task in tasks:
         name = env_name or task.get("env")
-        if name not in TOY_ENV_NAMES:
-            raise ValueError(f"unknown toy env {name!r} for task {task.get('id', '?')!r}; valid: {TOY_ENV_NAMES}")
+        try:
+            scripted = _demonstrations(str(name), toy=True)
+        except ValueError as error:
+            raise ValueError(f"task {task.get('id', '?')!r}: {error}") from None
         noisy = rng.random() < noise
-        env = ToyKeysEnv() if name == "toy_keys" else ToyEchoEnv()
-        messages = [{"role": "user", "content": env.reset(task)}]
-        result = None
-        for action in _demo_actions(name, task, noisy, rng, blind_fraction):
-            text = think_filler(rng, think_tokens_mean) + action
-            if messages[-1]["role"] == "assistant":
-                messages.append({"role": "user", "content": result.observation})
-            messages.append({"role": "assistant", "content": text})
-            result = env.step(text)
-            if result.done:
-                break
+        env = make_env(name)
+        act = scripted.policy(env, task, noisy, rng, blind_fraction=blind_fraction)
+        messages, result, _ = _play(env, task, act, rng, think_tokens_mean if scripted.think_fillers else 0.0)
         assert result is not None and result.done, f"demonstration for {task.get('id')} did not finish"
         demo = {
             "id": task.get("id"),
@@ -314,9 +281,9 @@ def _train(model, phases, pad_id, lr, batch_size, rng, warmup_steps, log_every, 
 def _split_env_names(env_name: str | Sequence[str]) -> list[str]:
     names = [n.strip() for n in env_name.split(",")] if isinstance(env_name, str) else [str(n) for n in env_name]
     names = [n for n in names if n]
-    bad = [n for n in names if n not in TOY_ENV_NAMES]
-    if not names or bad:
-        raise ValueError(f"env_name must name toy envs from {TOY_ENV_NAMES}, got {env_name!r}")
+    valid = demonstration_env_names(toy=True)
+    if not names or any(n not in valid for n in names):
+        raise ValueError(f"env_name must name toy envs from {tuple(valid)}, got {env_name!r}")
     return names
 
 
@@ -379,7 +346,8 @@ def sft_warm_start(
     if clean_fraction is None:
         clean_fraction = min(DEFAULTS[n]["clean_fraction"] for n in names)
     if blind_fraction is None:
-        blind_fraction = DEFAULTS["toy_keys"]["blind_fraction"]
+        blind_fraction = next((float(DEFAULTS[n]["blind_fraction"]) for n in names if "blind_fraction" in DEFAULTS[n]),
+                              DEFAULTS["toy_keys"]["blind_fraction"])
     if not 0.0 <= clean_fraction <= 1.0:
         raise ValueError(f"clean_fraction must be in [0, 1], got {clean_fraction}")
     if num_demos < 1 or steps < 0 or batch_size < 1:
@@ -406,23 +374,24 @@ def sft_warm_start(
         torch.manual_seed(seed)
         _train(model, phases, pad_id, lr, batch_size, random.Random(seed), warmup_steps, log_every, losses)
 
+    return _save_warm_start(model, tokenizer, out_dir, demos, losses, started, {
+        "env_names": names, "num_demos": len(demos), "noise": noise, "steps": steps, "clean_steps": clean_steps,
+        "lr": lr, "batch_size": batch_size, "seed": seed, "think_tokens_mean": think_tokens_mean,
+        "blind_fraction": blind_fraction})
+
+
+def _save_warm_start(model, tokenizer, out_dir, demos: list[dict[str, Any]], losses: list[float], started: float,
+                     settings: dict[str, Any]) -> dict[str, Any]:
+    """Saves the model and tokenizer to ``out_dir`` and returns its stats (also written as ``sft_stats.json``):
+    ``settings``, then the demonstrations' and the loss curve's summaries."""
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_path)
     tokenizer.save_pretrained(out_path)
     tail = losses[-10:]
     stats = {
-        "env_names": names,
+        **settings,
         "out_dir": str(out_path),
-        "num_demos": len(demos),
-        "noise": noise,
-        "steps": steps,
-        "clean_steps": clean_steps,
-        "lr": lr,
-        "batch_size": batch_size,
-        "seed": seed,
-        "think_tokens_mean": think_tokens_mean,
-        "blind_fraction": blind_fraction,
         "demo_success_rate": sum(d["success"] for d in demos) / len(demos),
         "mean_demo_tokens": sum(len(d["input_ids"]) for d in demos) / len(demos),
         "mean_assistant_tokens": sum(sum(d["loss_mask"]) for d in demos) / len(demos),
@@ -492,7 +461,7 @@ def sample_success_rate(
     response_lengths: list[int] = []
     with _torch_threads(num_threads):
         for task in tasks:
-            env = ToyKeysEnv() if name == "toy_keys" else ToyEchoEnv()
+            env = make_env(name)
             prompt = env.reset(task)
             context = _encode(tokenizer, _render(tokenizer, [{"role": "user", "content": prompt}], True))
             cache = None
@@ -597,129 +566,36 @@ if __name__ == "__main__":
 # Warm starts on the real tasks (the SIZE=tiny recipes: math, retool, alfworld, webshop)
 # --------------------------------------------------------------------------------------------------
 
-#: Tuned so each SIZE=tiny recipe's tiny model knows its task's action format and succeeds sometimes
-#: (recipes/README.md). Multi-turn transcripts (2-3k tokens) train one at a time: a padded batch costs twice
-#: as much per token on CPU (the attention mask disables the fused causal kernel).
+#: The real tasks' warm-start defaults, registered with their demonstrations (envs/demonstrations.py), tuned so
+#: each SIZE=tiny recipe's tiny model knows its task's action format and succeeds sometimes (recipes/README.md).
+TASK_DEMO_ENVS: tuple[str, ...] = tuple(demonstration_env_names(toy=False))
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "math": {"noise": 0.6, "steps": 200, "clean_fraction": 0.5, "num_demos": 256, "batch_size": 16},
-    "retool": {"noise": 0.6, "steps": 250, "clean_fraction": 0.6, "num_demos": 128, "batch_size": 16},
-    # a game is lost by any wrong action among five: fewer noisy demos than the single-turn tasks
-    "alfworld": {"noise": 0.3, "steps": 200, "clean_fraction": 0.6, "num_demos": 24, "batch_size": 1},
-    # product ids are 10 random characters to copy from the page: more steps than the others
-    "webshop": {"noise": 0.3, "steps": 500, "clean_fraction": 0.7, "num_demos": 32, "batch_size": 1},
-}
-TASK_DEMO_ENVS: tuple[str, ...] = tuple(TASK_DEFAULTS)
+    name: dict(_demonstrations(name, toy=False).sft_defaults) for name in TASK_DEMO_ENVS}
 # no thinking fillers: a tiny model sampling at temperature 1 garbles actions that follow random filler words,
 # and the multi-turn recipes' token budgets are tight (the envs parse only the <action> tag)
 TASK_THINK_TOKENS_MEAN = 0.0
 
-_INTERPRETER_INT = re.compile(r"<interpreter>\s*(-?\d+)\s*</interpreter>")
 
+def _play(env, task: dict[str, Any], act, rng: random.Random, think_tokens_mean: float):
+    """One scripted episode through ``env``: (messages, last StepResult, number of tool runs).
 
-def _wrong_number(rng: random.Random, right: str) -> str:
-    """A plausible wrong integer answer: the right one with one digit changed (or off by one)."""
-    if right.lstrip("-").isdigit():
-        digits = list(right)
-        positions = [i for i, ch in enumerate(digits) if ch.isdigit()]
-        i = rng.choice(positions)
-        digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
-        wrong = "".join(digits)
-        return wrong if wrong != right else str(int(right) + 1)
-    return str(rng.randrange(1000))
-
-
-def _perturbed_expression(rng: random.Random, expression: str) -> str:
-    """``expression`` with one digit changed: code that runs, but computes the wrong number."""
-    positions = [i for i, ch in enumerate(expression) if ch.isdigit()]
-    if not positions:
-        return expression + "+1"
-    i = rng.choice(positions)
-    return expression[:i] + rng.choice([d for d in "123456789" if d != expression[i]]) + expression[i + 1:]
-
-
-def _retool_code(expression: str) -> str:
-    return f"<code>\nprint({expression})\n</code>"
-
-
-def _names_phrase(text: str, phrase: str) -> bool:
-    """``phrase`` occurs in ``text`` as whole words ("8 fl oz" is not named by "33.8 fl oz", "large" not by
-    "x-large")."""
-    return re.search(r"(?<![\w.-])" + re.escape(phrase) + r"(?![\w.-])", text) is not None
-
-
-class _ScriptedPolicy:
-    """One scripted demonstration episode of a real task: the next action given what the env showed.
-
-    Clean episodes play the task's expert: math boxes the training record's answer; ReTool runs the
-    toy expression (or prints the record's answer) in ``<code>`` and then boxes the interpreter's
-    number; ALFWorld follows the PDDL planner (``AlfWorldEnv(expert=True).expert_plan``); WebShop searches
-    the goal's product query (the simulator's catalog; the instruction on a server), opens the target
-    product when it is listed (else the first result), clicks the
-    option values the instruction names and buys. A noisy episode makes one mistake at a turn drawn at
-    random: a wrong number, code with a wrong digit, a random admissible action, a random product or
-    buying without choosing options, so that the demonstrations succeed only sometimes.
-    """
-
-    def __init__(self, env_name: str, env, task: dict[str, Any], noisy: bool, rng: random.Random):
-        self.env_name, self.env, self.task, self.noisy, self.rng = env_name, env, task, noisy, rng
-        self.turn = 0
-        self.clicked_options: set[str] = set()  # WebShop option values chosen on the product page
-        # turns where a mistake changes the outcome (WebShop's first turn is always the search)
-        first, stop = {"math": (0, 1), "retool": (0, 2), "alfworld": (0, 4), "webshop": (1, 3)}[env_name]
-        self.mistake_turn = rng.randrange(first, stop) if noisy else -1
-
-    def act(self, observation: str) -> str:
-        wrong = self.turn == self.mistake_turn
-        action = getattr(self, f"_{self.env_name}")(observation, wrong)
-        self.turn += 1
-        return action
-
-    def _math(self, observation: str, wrong: bool) -> str:
-        answer = str(self.task["answer"]).strip()
-        return f"\\boxed{{{_wrong_number(self.rng, answer) if wrong else answer}}}"
-
-    def _retool(self, observation: str, wrong: bool) -> str:
-        if self.turn == 0:
-            expression = str(self.task.get("expression") or str(self.task["answer"]).strip())
-            if wrong and self.rng.random() < 0.5:  # answer without the tool, from "mental arithmetic"
-                return f"\\boxed{{{_wrong_number(self.rng, str(self.task['answer']).strip())}}}"
-            return _retool_code(_perturbed_expression(self.rng, expression) if wrong else expression)
-        match = _INTERPRETER_INT.search(observation)
-        value = match.group(1) if match else _wrong_number(self.rng, str(self.task["answer"]).strip())
-        return f"The result is \\boxed{{{_wrong_number(self.rng, value) if wrong else value}}}."
-
-    def _alfworld(self, observation: str, wrong: bool) -> str:
-        plan = self.env.expert_plan
-        choice = plan[0] if plan else "look"
-        if wrong:
-            others = [a for a in self.env.admissible_actions if a != choice]
-            choice = self.rng.choice(others) if others else choice
-        return f"<action>{choice}</action>"
-
-    def _webshop(self, observation: str, wrong: bool) -> str:
-        actions = self.env.admissible_actions
-        clicks = [a[len("click["):-1] for a in actions if a.startswith("click[")]
-        if any(a.startswith("search[") for a in actions):
-            # the goal's short product query ("sunglasses"), as a shopper types it: a tiny model cannot copy
-            # a whole instruction, and one query per product type gives a results page it can learn
-            goal = self.env.simulator_goal(int(self.task["goal_index"])) if hasattr(self.env, "simulator_goal") else None
-            return f"<action>search[{(goal or {}).get('query') or self.env.instruction}]</action>"
-        if "buy now" in clicks:  # a product page: choose the options the instruction names, then buy
-            instruction = (self.env.instruction or "").lower()
-            navigation = {"back to search", "< prev", "description", "features", "reviews", "buy now"}
-            for value in clicks:
-                if (value not in navigation and value not in self.clicked_options and not wrong
-                        and _names_phrase(instruction, value)):
-                    self.clicked_options.add(value)
-                    return f"<action>click[{value}]</action>"
-            return "<action>click[buy now]</action>"
-        products = [c for c in clicks if re.fullmatch(r"b0[a-z0-9]{8}", c)]
-        target = str(self.task.get("target_asin") or "").lower()
-        if wrong and products:
-            return f"<action>click[{self.rng.choice(products)}]</action>"
-        if target in products:
-            return f"<action>click[{target}]</action>"
-        return f"<action>click[{products[0] if products else 'back to search'}]</action>"
+    The user turns carry the env's observations verbatim; a run out of turns drops its last observation
+    (it carries no loss)."""
+    messages = [{"role": "user", "content": env.reset(task)}]
+    observation, result, tool_runs = messages[0]["content"], None, 0
+    for _ in range(int(getattr(env, "max_turns", 1) or 1)):
+        text = act(observation)
+        text = think_filler(rng, think_tokens_mean) + text
+        messages.append({"role": "assistant", "content": text})
+        result = env.step(text)
+        tool_runs += bool(result.info.get("tool_executed"))
+        if result.done:
+            break
+        observation = result.observation
+        messages.append({"role": "user", "content": observation})
+    if messages[-1]["role"] == "user":
+        messages.pop()
+    return messages, result, tool_runs
 
 
 def make_task_demonstrations(
@@ -732,14 +608,13 @@ def make_task_demonstrations(
     think_tokens_mean: float = TASK_THINK_TOKENS_MEAN,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """``num_demos`` scripted episodes of a real task (:class:`_ScriptedPolicy`), played through ``env``.
+    """``num_demos`` scripted episodes of a real task (its registered policy), played through ``env``.
 
     Demonstration ``i`` plays ``tasks[i % len(tasks)]``, so pass *training* records only: the demos use
     their answers. Each episode is noisy with probability ``noise``. Fields as in
     :func:`make_noisy_demonstrations`; ``num_code_turns`` counts the ReTool code runs.
     """
-    if env_name not in TASK_DEMO_ENVS:
-        raise ValueError(f"no scripted demonstrations for env {env_name!r}; valid: {TASK_DEMO_ENVS}")
+    scripted = _demonstrations(env_name, toy=False)
     if not tasks:
         raise ValueError(f"env {env_name!r}: no training tasks to build demonstrations from")
     if not 0.0 <= noise <= 1.0:
@@ -749,21 +624,9 @@ def make_task_demonstrations(
     for i in range(num_demos):
         task = tasks[i % len(tasks)]
         noisy = rng.random() < noise
-        policy = _ScriptedPolicy(env_name, env, task, noisy, rng)
-        messages = [{"role": "user", "content": env.reset(task)}]
-        observation, result, code_turns = messages[0]["content"], None, 0
-        for _ in range(int(getattr(env, "max_turns", 1) or 1)):
-            action = policy.act(observation)
-            text = think_filler(rng, think_tokens_mean) + action if env_name in ("alfworld", "webshop") else action
-            messages.append({"role": "assistant", "content": text})
-            result = env.step(text)
-            code_turns += bool(result.info.get("tool_executed"))
-            if result.done:
-                break
-            observation = result.observation
-            messages.append({"role": "user", "content": observation})
-        if messages[-1]["role"] == "user":
-            messages.pop()  # out of turns without a final message: the last observation carries no loss
+        act = scripted.policy(env, task, noisy, rng)
+        messages, result, code_turns = _play(env, task, act, rng,
+                                             think_tokens_mean if scripted.think_fillers else 0.0)
         demo = {"id": task.get("id"), "env": env_name, "messages": messages, "noisy": noisy,
                 "reward": float(result.reward) if result is not None else 0.0,
                 "success": bool(result is not None and result.info.get("success", False)),
@@ -798,13 +661,14 @@ def sft_warm_start_on_tasks(
     the noisy ones. None takes :data:`TASK_DEFAULTS`. Writes the model, tokenizer and ``sft_stats.json``
     (which adds ``demo_reward_mean`` and, for ReTool, ``demo_code_turns_mean``) to ``out_dir``.
     """
-    from async_rl.envs.base import make_env
     from async_rl.models.loading import load_causal_lm, load_tokenizer
 
-    if env_name not in TASK_DEMO_ENVS:
+    if env_name not in demonstration_env_names(toy=False):
         raise ValueError(f"model.sft: no demonstrations for env {env_name!r}; valid: "
-                         f"{', '.join(TOY_ENV_NAMES + TASK_DEMO_ENVS)} (or set model.sft.enabled=false)")
-    defaults = TASK_DEFAULTS[env_name]
+                         f"{', '.join(demonstration_env_names(toy=True) + demonstration_env_names(toy=False))} "
+                         "(or set model.sft.enabled=false)")
+    scripted = _demonstrations(env_name, toy=False)
+    defaults = scripted.sft_defaults
     noise = defaults["noise"] if noise is None else noise
     steps = defaults["steps"] if steps is None else steps
     num_demos = defaults["num_demos"] if num_demos is None else num_demos
@@ -818,9 +682,7 @@ def sft_warm_start_on_tasks(
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, dtype="float32")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    kwargs = dict(env_kwargs or {})
-    if env_name == "alfworld":
-        kwargs["expert"] = True
+    kwargs = {**(env_kwargs or {}), **scripted.env_kwargs}  # e.g. ALFWorld's planner for the expert
     env = make_env(env_name, **kwargs)
     try:
         demos = make_task_demonstrations(env_name, env, tasks, tokenizer, num_demos, noise, seed=seed * 7919)
@@ -835,24 +697,9 @@ def sft_warm_start_on_tasks(
         torch.manual_seed(seed)
         _train(model, [(clean_demos, clean_steps), (demos, steps - clean_steps)], pad_id, lr, batch_size,
                random.Random(seed), warmup_steps, log_every, losses)
-    out_path = Path(out_dir)
-    out_path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_path)
-    tokenizer.save_pretrained(out_path)
-    tail = losses[-10:]
-    stats = {
-        "env_names": [env_name], "out_dir": str(out_path), "num_demos": len(demos), "noise": noise,
-        "steps": steps, "clean_steps": clean_steps, "lr": lr, "batch_size": batch_size, "seed": seed,
-        "demo_success_rate": sum(d["success"] for d in demos) / len(demos),
+    return _save_warm_start(model, tokenizer, out_dir, demos, losses, started, {
+        "env_names": [env_name], "num_demos": len(demos), "noise": noise, "steps": steps, "clean_steps": clean_steps,
+        "lr": lr, "batch_size": batch_size, "seed": seed,
         "demo_reward_mean": sum(d["reward"] for d in demos) / len(demos),
         "demo_code_turns_mean": sum(d["num_code_turns"] for d in demos) / len(demos),
-        "mean_demo_tokens": sum(len(d["input_ids"]) for d in demos) / len(demos),
-        "max_demo_tokens": max(len(d["input_ids"]) for d in demos),
-        "mean_assistant_tokens": sum(sum(d["loss_mask"]) for d in demos) / len(demos),
-        "initial_loss": losses[0] if losses else None,
-        "final_loss": sum(tail) / len(tail) if tail else None,
-        "losses": losses,
-        "seconds": time.monotonic() - started,
-    }
-    (out_path / "sft_stats.json").write_text(json.dumps(stats, indent=1))
-    return stats
+        "max_demo_tokens": max(len(d["input_ids"]) for d in demos)})

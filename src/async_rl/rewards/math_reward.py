@@ -1,35 +1,14 @@
 """Rule-based math reward: answer extraction, equivalence checking, DAPO overlong penalty.
 
-The grader is strict by default, as verl's and DAPO's math graders are: only the content of the last
-``\\boxed{...}`` counts (closed, non-empty). The last-number fallback of spec §6 is the explicit option
-``fallback_last_number`` (off in every recipe and in evaluation). One grading is bounded by ``timeout_s``
-in every part (extraction is linear and looks at the clock; the symbolic check runs in a killable
-process), and no response text, however long or hostile, makes it raise.
+Strict by default, as verl's and DAPO's math graders are: only the content of the last closed, non-empty
+``\\boxed{...}`` counts; spec §6's last-number fallback is the explicit option ``fallback_last_number``
+(off in every recipe and in evaluation). One grading is bounded by ``timeout_s`` in every part and never
+raises; the symbolic ``math_verify`` check runs in a pool of killable worker processes
+(:class:`MathVerifier`), so it works from any thread. Entry points: :func:`extract_answer`,
+:func:`is_equivalent`, :func:`grade_answer`, :func:`math_score`, :func:`reference_answer`,
+:func:`overlong_penalty`.
 
-Public API::
-
-    extract_answer(text, fallback_last_number=False, timeout_s=None) -> str | None
-    is_equivalent(pred, label, timeout_s=5.0) -> bool
-    grade_answer(response, label, timeout_s=5.0, verifier=None, fallback_last_number=False)
-        -> (extracted answer | None, correct)
-    math_score(response, label, timeout_s=5.0, verifier=None, fallback_last_number=False) -> float  # 1.0 / 0.0
-    reference_answer(label) -> str                                 # a boxed label reduced to its box
-    overlong_penalty(response_length, max_response_length, cache_fraction=0.25, penalty=1.0) -> float
-    MathVerifier(max_workers=2, ...)                               # the process pool behind is_equivalent
-
-Why a process pool for the symbolic check
------------------------------------------
-``math_verify`` bounds its own work with ``signal.alarm``, which only works in the main thread of the
-main interpreter; rollout workers call the reward from threads and event loops, where it raises. So we
-call ``math_verify.parse(..., parsing_timeout=None)`` and ``verify(..., timeout_seconds=None)`` (the
-0.9.0 signatures) and enforce the timeout ourselves. A thread with ``join(timeout)`` would return on
-time but leave a runaway sympy computation (``9^{9^{9^9}}``) burning a core and holding the GIL
-forever, since Python threads cannot be killed. Instead each check runs in a small persistent pool of
-worker *processes* (``python -c`` loading this file by path, not ``multiprocessing``: no fork of a
-threaded trainer, no re-import of the trainer's ``__main__``, no import of the heavy ``async_rl``
-package). The caller waits on the worker's pipe with a deadline; on
-timeout the worker is SIGKILLed and replaced lazily. This works from any thread. Cheap cases never
-reach the pool: normalised string equality and plain integer comparison (``025`` equals ``25``).
+Details: docs/tasks.md (Math reward); docs/evaluation.md (The math grader).
 """
 
 from __future__ import annotations

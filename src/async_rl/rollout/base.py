@@ -1,23 +1,12 @@
 """Rollout (generation) engine interface, shaped like vLLM's so backends are swappable.
 
-A backend turns :class:`GenerationRequest` s into :class:`GenerationOutput` s and can swap
-in new policy weights while it is generating (asynchronous RL). For every generated token
-it records two things the trainer needs for off-policy correction:
+A backend turns :class:`GenerationRequest` s into :class:`GenerationOutput` s and can swap in new policy
+weights while it is generating (:meth:`RolloutEngine.update_weights`, asynchronous RL). For every generated
+token it records what the trainer needs for off-policy correction: ``logprobs[i]``, the *behaviour log-prob*
+of ``token_ids[i]`` under the untruncated tempered distribution (top-p does not change it), and
+``versions[i]``, the policy version whose weights sampled it.
 
-``logprobs[i]`` -- the *behaviour log-prob* of ``token_ids[i]``::
-
-    allowed   = all vocabulary ids except sampling.banned_token_ids
-    logits    = model(prompt_ids + token_ids[:i])[-1]          # [vocab_size], float32
-    logprobs[i] = log_softmax(logits[allowed] / T)[token_ids[i]]
-
-  with ``T = sampling.temperature`` (``T = 1`` when ``temperature == 0``, i.e. greedy).
-  It is the log-prob under the *untruncated* tempered model distribution: top-p only
-  decides which tokens may be sampled, it does not change the recorded value. So a
-  trainer that recomputes ``log_softmax(logits / T)`` over the allowed ids with the same
-  weights gets the same number (up to floating point noise of the backend).
-
-``versions[i]`` -- the policy version (see :meth:`RolloutEngine.update_weights`) whose
-  weights produced ``logits`` above, i.e. the version that sampled the token.
+Details: docs/rollout.md (2. The interface; "What logprobs[i] is").
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """A CPU checkpoint engine for verl's ``CheckpointEngineRegistry``: weights travel through the Ray object store.
 
-verl 0.9.1 moves weights from the trainer to the rollout replicas through a *checkpoint engine*
-(``verl.checkpoint_engine.base.CheckpointEngine``): NCCL, NIXL, Mooncake, ... all need an accelerator or an
-RDMA fabric. On a CPU machine (and between processes that share a node) the Ray object store already is
-the transport: the sender ``ray.put``s one state dict, every receiver maps it from shared memory. This
-module registers that transport under the name ``"ray_object_store"`` the same way verl registers its own
-engines (``@CheckpointEngineRegistry.register``), so ``CheckpointEngineRegistry.new("ray_object_store")``
-works and the GPU path can keep using verl's ``"nccl"`` engine unchanged.
+Registers :class:`ObjectStoreCheckpointEngine` as ``"ray_object_store"`` (like verl's ``"nccl"``), so
+``CheckpointEngineRegistry.new("ray_object_store")`` works on CPU and the GPU path keeps verl's engines unchanged.
+Two uses: handed over by the driver (``ReplicaPool``'s own update: :meth:`send_weights` or
+``ActorWorker.publish_weights`` give the handle, a receiver calls :meth:`set_source`, then iterates
+:meth:`receive_weights`), or inside verl's ``CheckpointEngineManager``, where a :class:`WeightMailbox` actor
+stands in for the process group.
 
-Two ways to use it:
-
-* **Handed over by the driver** (``ReplicaPool``'s own update): the "connection" is the published handle
-  ``{"version": v, "ref": [ObjectRef]}`` (the ref is wrapped in a list so Ray does not resolve it while the
-  handle is passed around). The trainer side calls :meth:`send_weights` (or reuses
-  ``ActorWorker.publish_weights``, which returns the same handle); a receiver calls :meth:`set_source` with the
-  handle, then iterates :meth:`receive_weights`.
-* **Inside verl's ``CheckpointEngineManager``** (the protocol its NCCL engine follows, unchanged): the manager
-  calls ``prepare`` on every worker, :meth:`build_topology` in its own process, ``init_process_group`` with the
-  topology, then ``send_weights`` on every actor rank and ``receive_weights`` on every rollout worker at the same
-  time, then ``finalize``. The "process group" is a small mailbox actor (:class:`WeightMailbox`, named in the
-  topology with a fresh transfer id): actor rank 0 posts the handle of its ``ray.put``, the receivers wait for
-  the handle of that transfer and check its version. Ranks other than 0 only walk the weights generator (producing each weight is collective
-  over the FSDP ranks), as verl's engines do.
+Details: docs/rollout.md (7, "The CPU checkpoint engine"; 9, "The CPU transport").
 """
 
 from __future__ import annotations

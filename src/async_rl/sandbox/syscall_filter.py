@@ -1,41 +1,12 @@
 """The seccomp filter every LocalSandbox run gets (bwrap ``--seccomp FD``), built with libseccomp.
 
-The BPF program comes from libseccomp (through its own Python binding ``seccomp`` when installed, else the
-ctypes binding ``pyseccomp`` from PyPI, both over Debian's ``libseccomp2``): the library resolves names to
-numbers per architecture, refuses foreign ABIs (i386 ``int 0x80`` and x32 calls from an x86-64 process
-kill the process, so no second syscall table can slip past the list) and emits the program. Nothing here
-writes BPF by hand.
+libseccomp (its own ``seccomp`` binding, else ``pyseccomp``) emits the BPF, resolves names per
+architecture and kills foreign ABIs. Policy: allow by default, refuse what Docker's default profile refuses
+a container without extra capabilities (new namespaces, keyrings, io_uring, userfaultfd, perf_event_open,
+bpf, mounts, other processes' memory, file handles, machine state, NUMA policy, some ``personality`` flags,
+``AF_VSOCK``), with ``EPERM``; ``clone3`` and syscalls newer than the library answer ``ENOSYS``.
 
-Policy: *allow by default, refuse a list*, modelled on Docker's default profile (what that profile lets a
-container without extra capabilities do, the code may do). Refused, all with ``EPERM`` unless noted:
-
-* **new namespaces**: ``unshare``, ``setns``; ``clone`` with any ``CLONE_NEW*`` flag (user, mount, net,
-  pid, ipc, uts, cgroup); ``clone3`` answers ``ENOSYS`` (its flags sit in a struct a filter cannot read;
-  glibc then falls back to ``clone``, whose flags it can);
-* **kernel keyrings**: ``keyctl``, ``add_key``, ``request_key``;
-* **io_uring**: ``io_uring_setup``, ``io_uring_enter``, ``io_uring_register``;
-* **userfaultfd**, **perf_event_open**, **bpf**;
-* **mounts**: ``mount``, ``umount``/``umount2``, ``pivot_root``, ``chroot``, ``move_mount``, ``open_tree``,
-  ``fsopen``, ``fsmount``, ``fsconfig``, ``fspick``, ``mount_setattr``;
-* **other processes' memory and files**: ``ptrace``, ``process_vm_readv``/``writev``,
-  ``process_madvise``, ``pidfd_getfd``, ``kcmp``;
-* **file handles** (the "shocker" escape): ``name_to_handle_at``, ``open_by_handle_at``;
-* **the machine's state**: ``reboot``, ``kexec_load``/``kexec_file_load``, ``init_module``/``finit_module``/
-  ``delete_module`` (and the obsolete ``create_module``, ``query_module``, ``get_kernel_syms``), ``acct``,
-  ``swapon``/``swapoff``, ``syslog``, ``quotactl``/``quotactl_fd``, ``settimeofday``/``clock_settime``/
-  ``clock_adjtime``/``stime``, ``sethostname``/``setdomainname``, ``vhangup``, ``iopl``/``ioperm``,
-  ``fanotify_init``, ``lookup_dcookie``, ``nfsservctl``, ``uselib``, ``ustat``, ``sysfs``, ``_sysctl``,
-  ``vm86``/``vm86old``;
-* **NUMA policy**: ``mbind``, ``set_mempolicy``, ``set_mempolicy_home_node``, ``get_mempolicy``,
-  ``migrate_pages``, ``move_pages``;
-* ``personality`` turning on ``ADDR_NO_RANDOMIZE`` or ``READ_IMPLIES_EXEC`` (no ASLR / executable data);
-* ``socket(AF_VSOCK, ...)``: vsock is not network-namespaced and on a VM reaches the hypervisor host;
-* syscalls **newer than the library knows** (the ``_UNKNOWN_SPAN`` numbers after the highest one it can
-  name on this architecture) answer ``ENOSYS``, as if the kernel lacked them: a kernel newer than the
-  filter cannot hand the code a syscall nobody reviewed.
-
-Names the library does not know for this architecture (e.g. ``vm86`` on x86-64) are skipped: they do
-not exist there.
+Details: docs/tasks.md (Code sandbox: the seccomp filter).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
-"""Worker groups on Ray, in two placements (``docs/architecture.md``).
+"""Worker groups on Ray, in two placements: :func:`make_worker_groups` returns :class:`WorkerGroups`.
 
-``colocated``
-    One process per train rank holds the actor, the critic and a rollout engine (verl's fused worker,
-    :func:`verl.single_controller.ray.create_colocated_worker_cls_fused`, the "hybrid engine" layout).
-    The rollout engine reads the actor's weights in memory: with one train rank it *runs the actor's
-    module itself*; with several (FSDP-sharded) the full weights are all-gathered in-process and copied
-    into the engine's model. Nothing goes through Ray. Generation and training take turns.
+``colocated``: one process per train rank holds the actor, the critic and a rollout engine (verl's fused
+worker, the "hybrid engine" layout); the engine reads the actor's weights in memory, and generation and
+training take turns. ``disaggregated``: the actor and critic share the train processes, rollout engines
+run in their own processes and pull each new version from the Ray object store. Every role's group is a
+:class:`~async_rl.workers.calls.TimedRayWorkerGroup` (every call has a deadline). The resource pool is
+checked against ``ray.available_resources()`` first, because verl waits for a placement group without a
+timeout.
 
-``disaggregated``
-    The actor and critic share the train processes (fused, one per train rank); rollout engines run in
-    their own processes (``n_rollout_workers``). New weights are published by actor rank 0 into the Ray
-    object store with a version number and pulled by every rollout worker.
-
-Both placements give one :class:`WorkerGroups` with a worker group per role (``actor``, ``critic``,
-``rollout``), all :class:`~async_rl.workers.calls.TimedRayWorkerGroup` (every call has a
-deadline).
-
-**Resources.** A verl ``RayResourcePool`` makes one placement-group bundle per process,
-``{"CPU": max_colocate_count}`` plus one GPU when ``use_gpu``. Here every process is one fused worker,
-so ``max_colocate_count=1``: a train rank or a rollout worker needs 1 logical CPU (and on a GPU
-machine one GPU). Logical CPUs are only a scheduling label: on a 2-core machine start Ray with more,
-e.g. ``ray.init(num_cpus=8)``; the workers run with ``torch_threads=1``. The pool is checked against
-``ray.available_resources()`` first, because verl waits for a placement group without a timeout.
+Details: docs/architecture.md (§2 Placements; "Resources on Ray (CPU now, GPU later)").
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""The SAPO role: one causal LM is the policy, the state value V and the action value Q (spec §5;
-sapo paper §4). See ``docs/sapo.md`` for where the readouts sit and why the defaults are what they are.
+"""The SAPO role (spec §5; sapo paper §4): one causal LM is the policy, the state value V and the action
+value Q. Entry points: :class:`SapoRole`, :func:`resolve_reserved_ids`, :func:`default_reserved_ids`.
 
-Layout (the batch of :func:`async_rl.driver.batch.collate`)::
+V and Q are read from the logits of two reserved ids in the same forward as the log-probs: ``V(s_k)`` at
+the column before turn ``k``'s first action token, ``Q(s_k, a_k)`` at its last action token. The policy
+softmax (log-probs, entropy) excludes the two ids, exactly like the rollout sampler that bans them. As in
+:mod:`async_rl.workers.roles`, no Ray here; every loss is a local sum divided by a count summed over the
+data-parallel group, so shards give the full-batch gradient.
 
-    input_ids = [ prompt, left-padded to width P | response, right-padded to width T ]
-
-Response position ``j`` sits at absolute column ``P + j``; the logits at absolute column ``c`` predict
-token ``c + 1``. For turn ``k`` with model tokens at response positions ``first_k .. last_k``:
-
-* ``V(s_k)``   is read at column ``P + first_k - 1`` (the last position of the state context: its
-  logits predict the first action token, so they have seen the state and nothing of the action);
-* ``Q(s_k,a_k)`` is read at column ``P + last_k`` (the last valid action token: it has seen the whole
-  action and nothing of the observation that follows).
-
-One forward pass returns the ``T + 1`` logit columns ``P - 1 .. P + T - 1``: columns ``0..T-1`` of that
-tail give the token log-probs / entropies of the response, tail column ``first_k`` gives V and tail
-column ``last_k + 1`` gives Q. The policy softmax (log-probs and entropy) excludes the two reserved
-ids, exactly like the rollout sampler that bans them; the readouts use their raw logits.
-
-As in :mod:`async_rl.workers.roles`, no Ray here. Every normalised loss is a *local sum* divided by a
-count summed over the data-parallel group (token count for the policy, KL and entropy terms, valid-turn
-count for the two value terms), so data-parallel shards give the full-batch gradient.
+Details: docs/sapo.md (Where V and Q are read; The restricted policy; The joint loss; Defaults and why).
 """
 
 from __future__ import annotations

@@ -1,47 +1,13 @@
 """Synthetic WebShop catalog: products in WebShop's product schema and WebShop-style shopping goals.
 
-The real WebShop (princeton-nlp) scrapes ~1.18 M Amazon products and ~12 k human instructions. This
-module generates a small stand-in, deterministically from a seed, with the same *shape*, so the built-in
-simulator (:mod:`async_rl.envs.webshop.simulator`) can run the WebShop task without its data, Java,
-Lucene or spaCy.
+A small stand-in, generated deterministically from a seed, for the real WebShop's ~1.18 M scraped Amazon
+products and ~12 k human instructions, with the same shape, so the built-in simulator
+(:mod:`async_rl.envs.webshop.simulator`) runs the task without its data, Java, Lucene or spaCy. Every goal's
+instruction states its checked attributes, option values and price bound verbatim, and its target satisfies
+them all, so a score of 1 is reachable. Entry points: :func:`generate_catalog` (cached:
+:func:`get_catalog`), :func:`make_goal`, :func:`normalize_phrase`.
 
-Product record (plain, JSON-serialisable dict; keys follow WebShop's scraped product files):
-
-=====================  ===========================================================================
-``asin``               ``"B0"`` + 8 upper-case letters / digits, unique (``"B07X3K9QZ2"``)
-``name`` / ``title``   the product title (the same string twice: raw WebShop files say ``name``, the
-                       processed ones ``Title``)
-``category``           one of :data:`CATEGORIES` (WebShop's five: beauty, grocery, fashion,
-                       furniture, electronics)
-``product_category``   Amazon breadcrumb, ``"Beauty & Personal Care › Hair Care › ..."``
-``query``              the search query the product was "scraped" with (``"hair extensions"``)
-``attributes``         3-4 attribute phrases (``["natural looking", "heat resistant", ...]``)
-``options``            ``{option_type: [values]}`` (``{"color": [...], "size": [...]}``); all values
-                       of one product are distinct and lower-case
-``pricing``            ``[price]`` (WebShop lists a price or a range; we always list one price)
-``price``              float, two decimals: the price the shop shows and charges
-``small_description``  feature bullet points (list of str; WebShop's ``BulletPoints``)
-``full_description``   one paragraph (WebShop's ``Description``)
-``reviews``            ``[{"score": 1..5, "body": str}, ...]``
-``rating``             float in [3.0, 5.0]
-=====================  ===========================================================================
-
-Goal record (WebShop's goal schema; ``goal_options`` is a dict here, WebShop's synthetic goals also use
-one): ``asin`` (the target product), ``category``, ``query``, ``name`` (target title),
-``product_category``, ``instruction_text``, ``attributes`` (1-3 of the target's attributes),
-``goal_options`` (``{option_type: value}``, a value the target offers, for a random subset of its option
-types), ``price_upper`` (strictly above the target's price), ``price`` (the target's price, for analysis).
-
-Instructions read like WebShop's human ones: ``"i need a clip-in hair extension which is natural looking,
-in dark brown color, and price lower than 40.00 dollars"``. Every attribute, option value and the price
-bound that the reward checks appears verbatim in the instruction, and the target product satisfies all of
-them, so a perfect purchase (reward 1.0) always exists.
-
-Splits: goals ``[0, num_test_goals)`` are the test split, the rest the train split (WebShop also holds
-out the first goals as its test set). Train and test goals can target the same products, as in WebShop.
-
-Everything is a pure function of the arguments (``random.Random`` seeded with strings), so the same
-``(seed, num_products, num_goals)`` gives the same catalog on every machine and Python version >= 3.2.
+Details: docs/webshop.md (The simulator backend: Catalog).
 """
 
 from __future__ import annotations

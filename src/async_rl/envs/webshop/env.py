@@ -1,33 +1,14 @@
 """``WebShopEnv``: the WebShop task behind :class:`async_rl.envs.base.Env`, with two backends.
 
-``backend="simulator"`` (default) runs the built-in shop in process
-(:class:`~async_rl.envs.webshop.simulator.WebShopSimulator` on the cached synthetic catalog);
-``backend="server"`` talks to an HTTP server speaking the protocol of
-:mod:`async_rl.envs.webshop.server`: the built-in one, or a wrapper around the real WebShop text env
-(docs/webshop.md). A server that cannot be reached or answers with an error makes ``reset`` / ``step``
-raise :class:`~async_rl.envs.webshop.server.WebShopServerError`, which the driver's ``run_env_step``
-turns into an *aborted* trajectory (never a reward of 0).
+``backend="simulator"`` (default) runs the built-in shop in process; ``backend="server"`` talks to an HTTP
+server speaking the protocol of :mod:`async_rl.envs.webshop.server` (the built-in one, or a wrapper around
+the real WebShop text env). A server failure raises
+:class:`~async_rl.envs.webshop.server.WebShopServerError`, which the driver turns into an *aborted*
+trajectory (never a reward of 0). Entry points: :func:`make_webshop_tasks`, :func:`format_webshop_prompt`,
+:func:`parse_action` (the last ``<action>...</action>``), :func:`webshop_env_kwargs`. An episode ends on
+``click[buy now]`` or after ``max_turns`` steps (15).
 
-Task record (:func:`make_webshop_tasks`): ``{"id", "env": "webshop", "goal_index", "split",
-"instruction", "target_asin"}``; only ``goal_index`` is required. When the task carries an
-``instruction`` and ``check_instruction`` is on, ``reset`` checks that the backend's goal has the same
-instruction (a mismatch means the tasks were drawn from another catalog) and raises otherwise.
-
-Prompt (verl-agent style, :func:`format_webshop_prompt`): the instruction, the last ``history_length``
-(page, action) pairs, the current page (WebShop's ``[SEP]`` text without the instruction header), the
-admissible actions, and the request to think in ``<think>...</think>`` and answer with one
-``<action>...</action>``. ``reset`` returns the first prompt and every non-final ``step`` returns the
-next one as its observation (the driver appends it as the next user turn); the final step's observation
-is ``""``.
-
-Action parsing (:func:`parse_action`): the content of the *last* ``<action>...</action>`` (case-
-insensitive tags), stripped. A response without one is an invalid action: not sent to the backend, the
-page stays the same, ``info["invalid_action"] = True``, reward 0, and the turn counts.
-
-``info`` on every step: ``score`` (the step's reward: the WebShop score on the buy step, else 0),
-``success`` (score == 1), ``invalid_action``, ``turn``, ``action`` (the parsed action or None), plus what
-the backend reports (the simulator adds ``page``, ``purchased``, ``reward_details``, ``out_of_turns``).
-The episode ends on ``click[buy now]`` or after ``max_turns`` steps (15) with reward 0.
+Details: docs/webshop.md (Using it).
 """
 
 from __future__ import annotations
@@ -38,6 +19,7 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.demonstrations import WEBSHOP_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
 from async_rl.envs.webshop.catalog import (
     DEFAULT_NUM_GOALS,
@@ -438,4 +420,4 @@ def make_webshop_tasks_from_config(env_cfg: Mapping[str, Any], seed: int = 0) ->
 
 register_env_facts("webshop", EnvFacts(make_tasks=make_webshop_tasks_from_config,
                                        env_kwargs=lambda c: dict(webshop_env_kwargs(c)), multi_turn=True,
-                                       eval_split="test"))
+                                       eval_split="test", demonstrations=WEBSHOP_DEMONSTRATIONS))

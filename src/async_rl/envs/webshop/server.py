@@ -1,40 +1,13 @@
 """WebShop over HTTP: a small JSON protocol, a standard-library server for the built-in simulator, a client.
 
-Protocol (every body is JSON, ``Content-Type: application/json``; the same protocol a wrapper around the
-real WebShop text environment implements, see docs/webshop.md):
+Protocol: ``POST /reset`` ``{"session_id", "goal_index"}``, ``POST /step`` ``{"session_id", "action"}``,
+``POST /close``, ``GET /health``; errors ``400`` / ``404`` / ``408`` / ``500`` with ``{"error": str}``. A
+wrapper around the real WebShop text env implements the same protocol. :class:`WebShopClient` raises
+:class:`WebShopServerError` on every error reply and connection failure, so a broken server aborts the
+trajectory instead of scoring it. Server: :class:`WebShopHTTPServer` (``port=0``: a free port, in a
+thread), or ``python -m async_rl.envs.webshop.server --port 3000`` (``--help`` for the options).
 
-``POST /reset`` ``{"session_id": str, "goal_index": int}``
-    Start (or restart) the episode of ``session_id`` on goal ``goal_index``. Reply ``200``::
-
-        {"observation": str, "available_actions": {"has_search_bar": bool, "clickables": [str]},
-         "instruction": str, "reward": 0.0, "done": false, "info": {}}
-
-``POST /step`` ``{"session_id": str, "action": str}``
-    Apply ``search[...]`` / ``click[...]``. Reply ``200``::
-
-        {"observation": str, "reward": float, "done": bool, "info": {...},
-         "available_actions": {...}, "instruction": str}
-
-    ``info`` may carry ``invalid_action``, ``success``, ``score`` (the built-in simulator always does;
-    a wrapper of the real WebShop may send ``{}`` and the client side fills them in).
-
-``POST /close`` ``{"session_id": str}`` (optional for servers)
-    Forget the session. Reply ``200 {"closed": bool}``.
-
-``GET /health``
-    ``200 {"status": "ok", "backend": str, "num_goals": int}``.
-
-Errors: ``400`` malformed request (bad JSON, missing field, goal index out of range, step after the
-episode ended), ``404`` unknown path or session (step before reset), ``500`` anything else; the body is
-``{"error": str}``. The client raises :class:`WebShopServerError` for every error reply and every
-connection failure, so a broken server aborts the trajectory instead of scoring it.
-
-Errors also include ``408`` when a connection did not deliver its whole request within the server's
-``read_timeout_s`` (a stalled or dripping client; the connection is then closed).
-
-Run the built-in server: ``python -m async_rl.envs.webshop.server --port 3000`` (``--help`` for the
-catalog, backlog and timeout options). In tests, ``WebShopHTTPServer(port=0).start()`` serves on a free
-port in a thread.
+Details: docs/webshop.md (The HTTP protocol; Running a real WebShop server).
 """
 
 from __future__ import annotations

@@ -1,53 +1,12 @@
 """Built-in WebShop simulator: WebShop's pages, text observations, actions and reward on a synthetic catalog.
 
-Pages and their text observation (WebShop's ``observation_mode="text"``: page elements joined by
-``" [SEP] "``; ASINs upper-case in the page, lower-case in the clickables)::
+:class:`WebShopSimulator` serves WebShop's text-mode pages (search, results, item, sub-pages) and takes
+``search[query]`` / ``click[element]``; an action the page cannot execute sets ``info["invalid_action"]``
+and leaves the page unchanged. :class:`Shop` searches with :class:`BM25Index` (Lucene's formula, pyserini's
+``k1``, ``b``) plus a title boost. :func:`webshop_reward` on ``click[buy now]`` is WebShop's formula without
+its spaCy type term. :func:`admissible_actions` gives the verl-agent style action list.
 
-    search   WebShop [SEP] Instruction: [SEP] <instruction> [SEP] Search
-    results  Instruction: [SEP] <instruction> [SEP] Back to Search [SEP] Page 2 (Total results: 50)
-             [SEP] < Prev [SEP] Next > [SEP] B07X3K9QZ2 [SEP] <title> [SEP] $19.99 [SEP] <next item> ...
-    item     Instruction: [SEP] <instruction> [SEP] Back to Search [SEP] < Prev [SEP] color [SEP] black
-             [SEP] You have clicked white. [SEP] size [SEP] small [SEP] ... [SEP] <title> [SEP] Price: $19.99
-             [SEP] Rating: 4.3 [SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now
-    sub-page Instruction: [SEP] <instruction> [SEP] Back to Search [SEP] < Prev [SEP] <description |
-             feature bullets | "Rating: 5 [SEP] <review>" ...>
-
-Actions (case-insensitive, surrounding spaces ignored): ``search[query]`` (search page only) and
-``click[element]`` where element is one of the page's clickables:
-
-=========  ================================================================================
-search     (none: only the search bar)
-results    ``back to search``, ``< prev`` (page > 1), ``next >`` (more pages), the ASINs listed
-item       ``back to search``, ``< prev`` (back to the results page), every option value,
-           ``description``, ``features``, ``reviews``, ``buy now``
-sub-page   ``back to search``, ``< prev`` (back to the item, options kept)
-=========  ================================================================================
-
-:meth:`WebShopSimulator.available_actions` returns WebShop's ``{"has_search_bar", "clickables"}`` and
-:func:`admissible_actions` turns it into the verl-agent style list (``search[<your query>]``,
-``click[...]``). Clicking an option value selects it for its option type (clicking another value of the
-same type replaces it). Entering an item from the results page clears the selection.
-
-Search (:class:`Shop`): BM25 (:class:`BM25Index`, Lucene's formula, ``k1 = 0.9``, ``b = 0.4`` like
-pyserini's defaults) over each product's title, product category, query, attributes and bullet points,
-plus the BM25 score of the title alone (a title field boost); at most
-``max_results`` (50, like WebShop) results, ``page_size`` (10) per page. Ties keep catalog order.
-
-Reward on ``click[buy now]`` (:func:`webshop_reward`): WebShop's formula without its spaCy type term::
-
-    r = (attribute matches + option matches + price ok) / (len(goal attributes) + len(goal options) + 1)
-
-* a goal attribute matches when it equals (after :func:`normalize_phrase`) one of the bought product's
-  attributes, or appears as a whole phrase in its title, bullet points or description (WebShop: fuzzy
-  ``token_set_ratio > 85`` against the attributes, then the same text fallback);
-* a goal option value matches when it equals (normalised) one of the selected option values (WebShop:
-  fuzzy ``token_set_ratio > 85``);
-* price ok = 1 when the product's price <= ``price_upper`` (0 otherwise).
-
-``success`` = (r == 1). Every other step has reward 0. An action that cannot be executed on the current
-page (bad syntax, search off the search page, an element that is not clickable, an empty query) sets
-``info["invalid_action"] = True`` and leaves the page and its observation unchanged. After
-``max_turns`` steps (15) without a purchase the episode ends with reward 0 and ``info["out_of_turns"]``.
+Details: docs/webshop.md (Pages, observations, actions; Search; Reward; What differs from the real WebShop).
 """
 
 from __future__ import annotations
