@@ -54,7 +54,7 @@ def run_one(model_path: str, replicas: int, args, mode: str = "standalone", hook
     import ray
 
     from async_rl.rollout.base import GenerationRequest, SamplingParams
-    from async_rl.rollout.checkpoint_engine import published_handle
+    from async_rl.rollout.checkpoint_engine import in_process_handle, published_handle
     from async_rl.rollout.client import ReplicaPool, launch_replicas
     from async_rl.workers.placement import make_worker_groups
 
@@ -100,7 +100,10 @@ def run_one(model_path: str, replicas: int, args, mode: str = "standalone", hook
                 ray.get([r.servers[0].abort_all_requests.remote() for r in pool.replicas])
                 for r in pool.replicas:
                     snapshots += list(ray.get(r.servers[0].progress.remote()).items())
-                pool.update_weights(handles[version - 1], version)
+                # the one form this pool takes (rollout/weight_sync.py): hybrid replicas copy the weights from
+                # the actor in their own process and are sent only the version; standalone ones get the handle
+                pool.update_weights(in_process_handle(version) if groups is not None else handles[version - 1],
+                                    version)
                 latencies.append(time.perf_counter() - t0)
         elapsed = time.perf_counter() - started
         if hooks is not None:
