@@ -16,10 +16,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# code every training benchmark runs: the local actor/critic, the schedulers, the hf engine, toy_keys
+# code every training benchmark runs: the local actor/critic, the schedulers, the hf engine, toy_keys and its
+# registered facts and warm-start demonstrations
 _TRAINING = ["benchmarks/_common.py", "src/async_rl/algos", "src/async_rl/driver", "src/async_rl/models",
              "src/async_rl/engine", "src/async_rl/config.py", "src/async_rl/envs/toy.py",
-             "src/async_rl/envs/base.py", "src/async_rl/rollout/base.py", "src/async_rl/rollout/hf_engine.py"]
+             "src/async_rl/envs/base.py", "src/async_rl/envs/facts.py", "src/async_rl/envs/demonstrations.py",
+             "src/async_rl/rollout/base.py", "src/async_rl/rollout/hf_engine.py"]
 _ROLLOUT = ["src/async_rl/rollout", "src/async_rl/driver", "src/async_rl/workers", "src/async_rl/train.py"]
 
 RESULT_SOURCES: dict[str, list[str]] = {
@@ -51,7 +53,8 @@ RESULT_SOURCES: dict[str, list[str]] = {
     "call_costs.json": ["benchmarks/call_costs.py", "src/async_rl/envs/base.py", "src/async_rl/sandbox",
                         "src/async_rl/rewards/math_reward.py"],
     "warm_start.json": ["benchmarks/warm_start.py", "src/async_rl/models/sft.py", "src/async_rl/models/tiny.py",
-                        "src/async_rl/envs/toy.py"],
+                        "src/async_rl/envs/toy.py", "src/async_rl/envs/facts.py",
+                        "src/async_rl/envs/demonstrations.py"],
     "demo_summary.json": ["benchmarks/demo_summary.py", "conf", "src/async_rl/train.py", *_TRAINING],
     "demo_rollout_vllm.txt": ["conf", *_ROLLOUT, *_TRAINING],
     "rollout_engines.json": ["benchmarks/rollout_engines.py", "src/async_rl/rollout", "src/async_rl/models"],
