@@ -25,6 +25,9 @@ _TRAINING = ["benchmarks/_common.py", "src/async_rl/algos", "src/async_rl/driver
 _ROLLOUT = ["src/async_rl/rollout", "src/async_rl/driver", "src/async_rl/workers", "src/async_rl/train.py"]
 
 RESULT_SOURCES: dict[str, list[str]] = {
+    "aime_tiny_gate.json": ["benchmarks/aime_tiny_gate.py", "recipes/aime_tiny.yaml", "recipes/data", "conf",
+                            "src/async_rl/train.py", "src/async_rl/envs/math_env.py", "src/async_rl/rewards",
+                            "src/async_rl/models/sft.py", *_TRAINING],
     "advantage_kernels.json": ["benchmarks/advantage_kernels.py", "src/async_rl/algos/gae.py"],
     "algorithms_toy.json": ["benchmarks/algorithms_toy.py", *_TRAINING],
     "algorithms_toy.png": ["benchmarks/algorithms_toy.py", *_TRAINING],

@@ -46,12 +46,11 @@ def test_tiny_recipe_goes_through_every_phase(task, tmp_path):
     assert phases["reward"]["steps_with_reward"] >= 1
     rewards = [json.loads(line).get("train/reward_mean", 0.0) for line in (run_dir / "metrics.jsonl").open()]
     assert max(rewards) > 0
-    # the only warning a tiny run may print says how Li2SAO switched: forced at T_max, not on evidence
-    assert all(w.startswith(FORCED_SWITCH_NOTE) for w in summary["warnings"]), summary["warnings"]
-    if task == "aime":
+    assert summary["warnings"] == [], summary["warnings"]
+    if task == "aime":  # the gate opens on evidence before T_max (aime_tiny_gate.json: steps 69-94 of T_max 150)
         switch = phases["li2sao_switch"]
-        assert 1 <= switch["step"] <= summary["steps"]
-        assert (FORCED_SWITCH_NOTE in out.stdout) == (switch["gate_opened_on_evidence"] is False)
+        assert switch["gate_opened_on_evidence"] is True, (switch, out.stdout[-3000:])
+        assert 60 <= switch["step"] < 150 and summary["steps"] == 150 and FORCED_SWITCH_NOTE not in out.stdout
     # the warm start used the task's own demonstrations, and they succeed only sometimes
     stats = json.loads((tmp_path / "model" / "sft" / "sft_stats.json").read_text())
     assert stats["env_names"] == [{"aime": "math"}.get(task, task)]
