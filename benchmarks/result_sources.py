@@ -39,6 +39,8 @@ RESULT_SOURCES: dict[str, list[str]] = {
     "group_vs_single.json": ["benchmarks/group_vs_single.py", *_TRAINING],
     "group_vs_single.png": ["benchmarks/group_vs_single.py", *_TRAINING],
     "group_vs_single_longtail.json": ["benchmarks/group_vs_single.py", *_TRAINING],
+    "longtail_bound.json": ["benchmarks/longtail_bound.py", "benchmarks/results/group_vs_single_longtail.json",
+                            "benchmarks/_common.py", "src/async_rl/driver/episode.py"],
     "group_vs_single_lr0.001.json": ["benchmarks/group_vs_single.py", *_TRAINING],
     "group_vs_single_lr0.001.png": ["benchmarks/group_vs_single.py", *_TRAINING],
     "memory_model.json": ["benchmarks/memory_model.py", "src/async_rl/engine", "src/async_rl/models"],
