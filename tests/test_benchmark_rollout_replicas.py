@@ -42,10 +42,14 @@ def test_rollout_replicas_arm_runs_and_keeps_prefixes(bench, mode, ray_cluster, 
     args = Namespace(requests=8, new_tokens=12, inflight=4, updates=1, chunk_tokens=2)
 
     class StaggeredLengths:  # hooks: called with the pool right before the timed stream
+        staggered = 0
+
         def start(self, pool):
             submit = pool.add_requests
 
             def add_requests(requests):
+                requests = list(requests)
+                self.staggered += len(requests)
                 submit([dataclasses.replace(r, sampling=dataclasses.replace(
                     r.sampling, max_new_tokens=r.sampling.max_new_tokens + 4 * (r.sampling.seed % 3)))
                     for r in requests])
@@ -54,7 +58,9 @@ def test_rollout_replicas_arm_runs_and_keeps_prefixes(bench, mode, ray_cluster, 
         def stop(self, pool):
             pass
 
-    run = bench.run_one(model_path, 1, args, mode=mode, hooks=StaggeredLengths())
+    hooks = StaggeredLengths()
+    run = bench.run_one(model_path, 1, args, mode=mode, hooks=hooks)
+    assert hooks.staggered == args.requests  # every timed request went through the staggering wrapper
     assert run["mode"] == mode and run["requests"] == 8 and run["updates"] == 1
     assert run["trajectories_per_s"] > 0 and run["tokens_per_s"] > 0
     # the update paused live requests mid-generation and kept what they had

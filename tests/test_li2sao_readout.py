@@ -4,10 +4,10 @@ Li2SAO's readiness (spec §4, Eq. 12-13) reads ``V(s_{i,T_i})`` at each response
 (``<|im_end|>``, the state after the closing ``}`` of ``\\boxed{...}``). The recipe used to train the critic at
 the 4B recipe's lr (5e-6) on one group per step for 4 steps, and e_k stayed at 0. The read-out is not the
 limit: a frozen-attention critic built from the recipe's warm-started model, fit to the residual targets
-``Z_i = R_i - μ_g`` at that position, separates right from wrong boxed answers (e_k above η_e = 0.2 on fresh
-wrong answers), while the old lr leaves e_k at 0 after as many steps. The fit is
-``benchmarks/aime_tiny_gate.py``'s (its results file has the measured values); tests/test_recipes.py checks
-that the recipe's gate now opens on evidence.
+``Z_i = R_i - μ_g`` at that position, separates right from wrong boxed answers (e_k above η_e = 0.2 on wrong
+answers the fit did not see), while the old lr leaves e_k at 0 after as many steps. The fit (plain squared
+error, full batch) is ``benchmarks/aime_tiny_gate.py``'s, and its results file has the measured values;
+tests/test_recipes.py checks that the recipe's gate now opens on evidence.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -40,13 +40,13 @@ def recipe_model(request, gate_bench, tmp_path_factory):
     return gate_bench.recipe_model(tmp_path_factory.mktemp(f"aime{request.param}"), request.param)
 
 
-def test_warm_started_critic_separates_right_from_wrong_answers_at_the_readout(gate_bench, recipe_model):
-    """Measured on seeds 0-2: e_k 0.72-0.79, a_k 0.92-1.0 (results/aime_tiny_gate.json)."""
+def test_warm_started_critic_separates_right_from_wrong_answers(gate_bench, recipe_model):
+    """Measured values: results/aime_tiny_gate.json, ``readout_fit``."""
     e_k, a_k = gate_bench.readout_fit(*recipe_model, lr=1e-3)
     assert e_k > 0.3 and a_k > 0.8, (e_k, a_k)
 
 
-def test_at_the_4b_recipes_critic_lr_the_same_steps_leave_e_k_at_zero(gate_bench, recipe_model):
-    """Measured: |e_k| < 3e-4 at 5e-6: the values barely leave their initialisation."""
+def test_4b_critic_lr_leaves_e_k_at_zero(gate_bench, recipe_model):
+    """At 5e-6 the values barely leave their initialisation in as many steps."""
     e_k, _ = gate_bench.readout_fit(*recipe_model, lr=5e-6)
-    assert abs(e_k) < 0.05, e_k
+    assert abs(e_k) < 0.01, e_k
