@@ -7,8 +7,14 @@ can land in the fast tier by forgetting its marker.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +35,22 @@ def tiny_model(tmp_path_factory):
     from async_rl.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def load_benchmark():
+    """``load_benchmark(name)``: the script ``benchmarks/<name>.py`` as a module, for tests that run a
+    benchmark's own functions. Its folder is on ``sys.path`` meanwhile (the scripts import ``_common``)."""
+    sys.path.insert(0, str(BENCHMARKS))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    sys.path.remove(str(BENCHMARKS))
 
 
 def pytest_collection_modifyitems(config, items):

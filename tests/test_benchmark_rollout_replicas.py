@@ -11,26 +11,14 @@ so the test staggers their lengths (the benchmark's 16 in-flight requests stagge
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the benchmark imports its sibling _common
-    try:
-        spec = importlib.util.spec_from_file_location("rollout_replicas_bench", BENCHMARKS / "rollout_replicas.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def bench(load_benchmark):
+    return load_benchmark("rollout_replicas")
 
 
 @pytest.mark.slow

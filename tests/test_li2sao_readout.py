@@ -12,27 +12,14 @@ tests/test_recipes.py checks that the recipe's gate now opens on evidence.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.slow
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def gate_bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the benchmark imports its sibling _common
-    try:
-        spec = importlib.util.spec_from_file_location("aime_tiny_gate_bench", BENCHMARKS / "aime_tiny_gate.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def gate_bench(load_benchmark):
+    return load_benchmark("aime_tiny_gate")
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["seed0", "seed1"])
