@@ -33,6 +33,7 @@ import argparse
 import time
 
 import _common as C
+import lag_probe
 
 B = 32
 # both arms' actor lr: inside the stability map's safe region (docs/algorithms.md, Stability). At _common's 1e-3,
@@ -132,12 +133,17 @@ def main_long_tail(args) -> dict:
     for scheduler in ("deterministic", "concurrent"):
         for arm, algo, overrides in arms:
             label = f"{arm}, {scheduler}"
-            run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
-                                  algo_overrides={**overrides, "actor_lr": args.actor_lr}, scheduler=scheduler,
-                                  long_tail=LONG_TAIL_DEFAULT,
-                                  driver_overrides={"synchronous": False, "max_inflight_trajectories": B,
-                                                    "update_ticks": 1})
+            with lag_probe.probe() as measured:
+                run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
+                                      algo_overrides={**overrides, "actor_lr": args.actor_lr}, scheduler=scheduler,
+                                      long_tail=LONG_TAIL_DEFAULT,
+                                      driver_overrides={"synchronous": False, "max_inflight_trajectories": B,
+                                                        "update_ticks": 1})
             row = summarize(run, B, 1)
+            row["probe"] = measured.summary(B, len(run.history), run.clock_ticks, run.generated_tokens)
+            if abs(row["probe"]["mean_policy_lag"] - row["mean_policy_lag"]) > 1e-6:
+                raise AssertionError(f"{label}: the probe's lag {row['probe']['mean_policy_lag']} is not the "
+                                     f"run's {row['mean_policy_lag']}")
             row["scheduler"] = scheduler
             row["response_length_max_mean"] = run.mean("train/response_length/max")
             row["wall_s_per_step"] = run.wall_s / max(len(run.history), 1)
@@ -153,6 +159,18 @@ def main_long_tail(args) -> dict:
                 "response_length": s["response_length_mean"] / g["response_length_mean"],
                 "step_time_key": time_key}
 
+    def limits(scheduler: str) -> dict:
+        """What each arm's lag and step time are made of (lag_probe.py), single beside group."""
+        g, s = (next(r["probe"] for r in rows if r["scheduler"] == scheduler and r["label"].startswith(a))
+                for a in ("GRPO", "LiSAO"))
+        out = {"lag_components": {k: {"single": s["lag_components"][k], "group": g["lag_components"][k]}
+                                  for k in lag_probe.COMPONENTS},
+               "slot_occupancy": {"single": s["slots"]["slot_occupancy"], "group": g["slots"]["slot_occupancy"]}}
+        if "step_time" in s:  # single over group of each factor: their product is the step-time ratio
+            factors = {k: s["step_time"][k] / g["step_time"][k] for k in s["step_time"]}
+            out["step_time_factors_single_over_group"] = factors
+        return out
+
     results = {
         "benchmark": "group_vs_single --long-tail",
         "quick": args.quick,
@@ -162,6 +180,8 @@ def main_long_tail(args) -> dict:
         "length_distribution": length_distribution({**LONG_TAIL_DEFAULT, "seed": args.seed}),
         "single_over_group": ratios("deterministic", "sim_ticks_per_step"),
         "single_over_group_concurrent": ratios("concurrent", "wall_s_per_step"),
+        "limits": limits("deterministic"),
+        "limits_concurrent": limits("concurrent"),
         "goal": {"mean_lag": 0.5, "step_time": 0.7},
         "runs": rows,
         "total_benchmark_wall_s": time.perf_counter() - started,
@@ -177,6 +197,14 @@ def main_long_tail(args) -> dict:
         r = results[key]
         print(f"{key}: mean lag {r['mean_lag']:.2f}x, step time {r['step_time']:.2f}x "
               f"(goal 0.5x / 0.7x), response length {r['response_length']:.2f}x")
+    for key in ("limits", "limits_concurrent"):
+        parts = ", ".join(f"{k} {v['single']:.2f} / {v['group']:.2f}" for k, v in results[key]["lag_components"].items())
+        occupancy = results[key]["slot_occupancy"]
+        print(f"{key}: lag components single / group: {parts}; slot occupancy {occupancy['single']:.2f} / "
+              f"{occupancy['group']:.2f}")
+    factors = results["limits"]["step_time_factors_single_over_group"]
+    print("step time, single over group = tokens per step / tokens per busy tick / busy fraction: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in factors.items()))
     print(f"wrote {path}")
     return results
 

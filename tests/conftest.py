@@ -46,6 +46,7 @@ def load_benchmark():
     def load(name: str):
         spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
         spec.loader.exec_module(module)
         return module
 
