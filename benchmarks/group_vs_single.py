@@ -198,7 +198,8 @@ def main_long_tail(args) -> dict:
         print(f"{key}: mean lag {r['mean_lag']:.2f}x, step time {r['step_time']:.2f}x "
               f"(goal 0.5x / 0.7x), response length {r['response_length']:.2f}x")
     for key in ("limits", "limits_concurrent"):
-        parts = ", ".join(f"{k} {v['single']:.2f} / {v['group']:.2f}" for k, v in results[key]["lag_components"].items())
+        parts = ", ".join(f"{k} {v['single']:.2f} / {v['group']:.2f}"
+                          for k, v in results[key]["lag_components"].items())
         occupancy = results[key]["slot_occupancy"]
         print(f"{key}: lag components single / group: {parts}; slot occupancy {occupancy['single']:.2f} / "
               f"{occupancy['group']:.2f}")
