@@ -15,7 +15,7 @@ Two parts, saved to ``results/aime_tiny_gate.json`` with machine info, commit an
    the same string), at critic lr 1e-3 and at the 4B recipe's 5e-6. ``tests/test_li2sao_readout.py`` asserts
    the same on two seeds.
 
-Run: ``.venv/bin/python benchmarks/aime_tiny_gate.py [--seeds 0 1 2 3]`` (~8 min on the 2-core box).
+Run: ``.venv/bin/python benchmarks/aime_tiny_gate.py [--seeds 0 1 2 3]`` (~6 min on the 2-core box).
 """
 
 from __future__ import annotations
