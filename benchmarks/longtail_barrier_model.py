@@ -14,7 +14,7 @@ no buffer queues. The model's ratio shows what the barrier itself does under thi
 its gap to the measured ratio is what the model leaves out.
 
 Reads ``results/group_vs_single_longtail.json`` (its setup, step times, lengths and lags) and writes
-``results/longtail_barrier_model.json``. Run: ``.venv/bin/python benchmarks/longtail_barrier_model.py`` (~1 min).
+``results/longtail_barrier_model.json``. Run: ``.venv/bin/python benchmarks/longtail_barrier_model.py`` (seconds).
 """
 
 from __future__ import annotations
