@@ -22,9 +22,13 @@ benchmarks/results/group_vs_single.{json,png} (``--quick``: group_vs_single_quic
 lognormally drawn number of tokens: median 24, sigma 1, so p99 = 10x the median; each group member draws its
 own), GRPO with a group of 8 against LiSAO n = 1 at the same trajectory budget (B = 32), rollout-bound
 (``update_ticks`` = 1), on the simulated clock (deterministic scheduler) and on the concurrent scheduler (real
-threads, real time). Writes results/group_vs_single_longtail.json with ``single_over_group`` (mean lag and step
-time, simulated clock), the same on the concurrent scheduler, per-arm numbers, per-arm response lengths (the
-forced part is drawn from the same distribution in both arms; the rest is the policy's) and the distribution.
+threads, real time), at in-flight capacity B; the simulated clock also at 2 B (not with ``--quick``). Each run is
+measured by ``lag_probe.py`` (its lag split into generation, group wait, batch wait and update in flight; slot
+occupancy; the simulated step time's factors). Writes results/group_vs_single_longtail.json with
+``single_over_group`` (mean lag and step time, simulated clock, in-flight B), the same on the concurrent
+scheduler and at 2 B, ``limits*`` (the probe's numbers, single beside group), per-arm numbers, per-arm
+response lengths (the forced part is drawn from the same distribution in both arms; the rest is the policy's)
+and the distribution.
 """
 
 from __future__ import annotations
@@ -130,17 +134,19 @@ def main_long_tail(args) -> dict:
     machine = C.machine_info()
     model = C.warm_model()
     rows, started = [], time.perf_counter()
-    for scheduler in ("deterministic", "concurrent"):
+    # in-flight capacity B is the headline; 2 B (simulated clock) shows the buffer holding up a group's launch
+    cells = [("deterministic", B), ("concurrent", B)] + ([] if args.quick else [("deterministic", 2 * B)])
+    for scheduler, inflight in cells:
         for arm, algo, overrides in arms:
-            label = f"{arm}, {scheduler}"
+            label = f"{arm}, {scheduler}" + ("" if inflight == B else ", in-flight 2B")
             with lag_probe.probe() as measured:
                 run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
                                       algo_overrides={**overrides, "actor_lr": args.actor_lr}, scheduler=scheduler,
                                       long_tail=LONG_TAIL_DEFAULT,
-                                      driver_overrides={"synchronous": False, "max_inflight_trajectories": B,
+                                      driver_overrides={"synchronous": False, "max_inflight_trajectories": inflight,
                                                         "update_ticks": 1})
-            row = summarize(run, B, 1)
-            row["probe"] = measured.summary(B, len(run.history), run.clock_ticks, run.generated_tokens)
+            row = summarize(run, inflight, 1)
+            row["probe"] = measured.summary(inflight, len(run.history), run.clock_ticks, run.generated_tokens)
             if abs(row["probe"]["mean_policy_lag"] - row["mean_policy_lag"]) > 1e-6:
                 raise AssertionError(f"{label}: the probe's lag {row['probe']['mean_policy_lag']} is not the "
                                      f"run's {row['mean_policy_lag']}")
@@ -151,18 +157,20 @@ def main_long_tail(args) -> dict:
             print(f"  done {label}: {run.clock_ticks} ticks, {run.wall_s:.1f} s wall, lag "
                   f"{row['mean_policy_lag']:.2f}, resp len {row['response_length_mean']:.1f}", flush=True)
 
-    def ratios(scheduler: str, time_key: str) -> dict:
-        g = next(r for r in rows if r["scheduler"] == scheduler and r["label"].startswith("GRPO"))
-        s = next(r for r in rows if r["scheduler"] == scheduler and r["label"].startswith("LiSAO"))
+    def pick(scheduler: str, inflight: int, arm: str) -> dict:
+        return next(r for r in rows if r["scheduler"] == scheduler and r["max_inflight_trajectories"] == inflight
+                    and r["label"].startswith(arm))
+
+    def ratios(scheduler: str, time_key: str, inflight: int = B) -> dict:
+        g, s = pick(scheduler, inflight, "GRPO"), pick(scheduler, inflight, "LiSAO")
         return {"mean_lag": s["mean_policy_lag"] / max(g["mean_policy_lag"], 1e-9),
                 "step_time": s[time_key] / g[time_key],
                 "response_length": s["response_length_mean"] / g["response_length_mean"],
                 "step_time_key": time_key}
 
-    def limits(scheduler: str) -> dict:
+    def limits(scheduler: str, inflight: int = B) -> dict:
         """What each arm's lag and step time are made of (lag_probe.py), single beside group."""
-        g, s = (next(r["probe"] for r in rows if r["scheduler"] == scheduler and r["label"].startswith(a))
-                for a in ("GRPO", "LiSAO"))
+        g, s = (pick(scheduler, inflight, arm)["probe"] for arm in ("GRPO", "LiSAO"))
         out = {"lag_components": {k: {"single": s["lag_components"][k], "group": g["lag_components"][k]}
                                   for k in lag_probe.COMPONENTS},
                "slot_occupancy": {"single": s["slots"]["slot_occupancy"], "group": g["slots"]["slot_occupancy"]}}
@@ -175,13 +183,16 @@ def main_long_tail(args) -> dict:
         "benchmark": "group_vs_single --long-tail",
         "quick": args.quick,
         "setup": {"batch_trajectories": B, "steps": steps, "seed": args.seed, "staleness_cap": 4, "chunk_tokens": 8,
-                  "update_ticks": 1, "max_inflight_trajectories": B, "env": "toy_keys, long-tailed variant",
+                  "update_ticks": 1, "max_inflight_trajectories": sorted({c for _, c in cells}),
+                  "env": "toy_keys, long-tailed variant",
                   "lisao_critic_warmup_steps": 0, "actor_lr": args.actor_lr, "model": C.MODEL_DESCRIPTION},
         "length_distribution": length_distribution({**LONG_TAIL_DEFAULT, "seed": args.seed}),
         "single_over_group": ratios("deterministic", "sim_ticks_per_step"),
         "single_over_group_concurrent": ratios("concurrent", "wall_s_per_step"),
         "limits": limits("deterministic"),
         "limits_concurrent": limits("concurrent"),
+        **({} if args.quick else {"single_over_group_inflight_2B": ratios("deterministic", "sim_ticks_per_step", 2 * B),
+                                  "limits_inflight_2B": limits("deterministic", 2 * B)}),
         "goal": {"mean_lag": 0.5, "step_time": 0.7},
         "runs": rows,
         "total_benchmark_wall_s": time.perf_counter() - started,
@@ -193,11 +204,15 @@ def main_long_tail(args) -> dict:
                    for r in rows], ["run", "ticks/step", "wall s/step", "mean lag", "dropped", "resp len", "final acc"])
     d = results["length_distribution"]
     print(f"forced lengths: median {d['p50']}, p90 {d['p90']}, p99 {d['p99']} ({d['p99_over_median']:.1f}x median)")
-    for key in ("single_over_group", "single_over_group_concurrent"):
+    for key in ("single_over_group", "single_over_group_concurrent", "single_over_group_inflight_2B"):
+        if key not in results:
+            continue
         r = results[key]
         print(f"{key}: mean lag {r['mean_lag']:.2f}x, step time {r['step_time']:.2f}x "
               f"(goal 0.5x / 0.7x), response length {r['response_length']:.2f}x")
-    for key in ("limits", "limits_concurrent"):
+    for key in ("limits", "limits_concurrent", "limits_inflight_2B"):
+        if key not in results:
+            continue
         parts = ", ".join(f"{k} {v['single']:.2f} / {v['group']:.2f}"
                           for k, v in results[key]["lag_components"].items())
         occupancy = results[key]["slot_occupancy"]

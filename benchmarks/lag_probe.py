@@ -1,9 +1,9 @@
 """Where a run's policy lag and simulated step time come from: a measurement probe for
 ``group_vs_single.py --long-tail`` (issue 22).
 
-While the probe is open it wraps three driver methods (``RunCore.intake``, ``RunCore.take_batch`` and
-``RolloutManager.advance``); it only reads versions, counters and slots, so a run under the probe makes the
-same decisions, bit for bit on the simulated clock. Every model token's lag, trainer version at the
+While the probe is open it wraps four driver methods (``RunCore.intake``, ``RunCore.take_batch``,
+``RolloutManager.advance`` and ``TrajectoryBuffer.has_room``); it only reads versions, counters and slots,
+so a run under the probe makes the same decisions, bit for bit on the simulated clock. Every model token's lag, trainer version at the
 consuming update minus the token's version (``async/policy_lag/mean``, spec §1), splits exactly into
 
 - ``generation``: publications the engine received while the rest of the token's trajectory generated;
@@ -19,7 +19,9 @@ Each component is averaged over a batch's model tokens and then over batches, as
 The simulated step time splits exactly as well: ticks / step = (tokens generated / step) /
 (tokens / busy tick) / (busy ticks / tick), where a busy tick is one the rollout generated in, and tokens per
 busy tick = live trajectories per chunk x tokens per live trajectory per chunk. ``slot_occupancy`` is the
-mean number of live trajectories per chunk over the in-flight capacity.
+mean number of live trajectories per chunk over the in-flight capacity; ``launches_refused_for_room`` counts
+the times a scheduler had free slots for a group but the buffer had no room for it (the buffer counts live
+trajectories against its capacity, and with groups it also holds finished members waiting for their siblings).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class LagProbe:
     batch_components: list[dict[str, float]] = field(default_factory=list)
     batch_lag: list[float] = field(default_factory=list)
     chunks: int = 0
+    launches_refused_for_room: int = 0  # free slots for a group, but the buffer could not hold it on finishing
     live_per_chunk_sum: int = 0
     tokens_in_chunks: int = 0
     stamps: dict[str, _Stamp] = field(default_factory=dict)
@@ -102,6 +105,7 @@ class LagProbe:
             "live_per_chunk": live,
             "slot_occupancy": live / capacity,
             "tokens_per_live_per_chunk": self.tokens_in_chunks / max(self.live_per_chunk_sum, 1),
+            "launches_refused_for_room": self.launches_refused_for_room,
         }
         if ticks is not None:  # the simulated clock's step-time factors (deterministic scheduler)
             out["step_time"] = {
@@ -116,11 +120,13 @@ class LagProbe:
 @contextlib.contextmanager
 def probe():
     """Open a :class:`LagProbe` on every driver built inside the ``with`` block (one run at a time)."""
+    from async_rl.driver.buffer import TrajectoryBuffer
     from async_rl.driver.core import RunCore
     from async_rl.driver.rollout_manager import RolloutManager
 
     state = LagProbe()
     intake, take_batch, advance = RunCore.intake, RunCore.take_batch, RolloutManager.advance
+    has_room = TrajectoryBuffer.has_room
 
     def probed_intake(self, trajectory):
         added, released = self.buffer.counters.added, self.buffer.counters.released_groups
@@ -141,8 +147,17 @@ def probe():
             state.on_chunk(live, self.generated_tokens - before)
         return finished
 
+    def probed_has_room(self, n=1):
+        room = has_room(self, n)
+        if not room:  # the schedulers ask only once the slots are free
+            with state.lock:
+                state.launches_refused_for_room += 1
+        return room
+
     RunCore.intake, RunCore.take_batch, RolloutManager.advance = probed_intake, probed_take_batch, probed_advance
+    TrajectoryBuffer.has_room = probed_has_room
     try:
         yield state
     finally:
         RunCore.intake, RunCore.take_batch, RolloutManager.advance = intake, take_batch, advance
+        TrajectoryBuffer.has_room = has_room

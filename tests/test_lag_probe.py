@@ -49,7 +49,7 @@ def tiny_model(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1))
 
 
-def _run(model_path, group_size):
+def _run(model_path, group_size, **driver_kw):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.driver.build import RunSpec, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
@@ -64,7 +64,7 @@ def _run(model_path, group_size):
         if group_size > 1 else AlgorithmConfig(name="lisao", train_batch_trajectories=8, group_size=1,
                                                use_critic=True, policy_loss="dis", critic_warmup_steps=0,
                                                actor_lr=1e-3, critic_lr=1e-3)
-    cfg = DriverConfig(total_steps=5, chunk_tokens=4, update_ticks=1, max_inflight_trajectories=8)
+    cfg = DriverConfig(total_steps=5, chunk_tokens=4, update_ticks=1, max_inflight_trajectories=8, **driver_kw)
     driver = build_deterministic_driver(algo, cfg, spec)
     history = driver.run()
     return driver, history
@@ -100,3 +100,14 @@ def test_a_probed_run_is_the_same_run_and_its_parts_add_up(load_benchmark, tiny_
     before = measured.chunks
     _run(tiny_model, group_size)
     assert measured.chunks == before
+
+
+def test_launches_the_buffer_has_no_room_for_are_counted(load_benchmark, tiny_model):
+    lp = load_benchmark("lag_probe")
+    with lp.probe() as roomy:
+        _run(tiny_model, 4)
+    # a buffer of one batch counts the live trajectories against it: groups wait for room with slots free
+    with lp.probe() as tight:
+        _run(tiny_model, 4, buffer_capacity=8)
+    assert roomy.summary(8, 5, None, 0)["slots"]["launches_refused_for_room"] == 0
+    assert tight.summary(8, 5, None, 0)["slots"]["launches_refused_for_room"] > 0
