@@ -1,7 +1,8 @@
 """Which code each file in ``results/`` measures, and which results are older than that code.
 
 A result is *current* when no commit after the last one that touched the result file touches any of its
-code paths (``git log <that commit>..HEAD -- <paths>`` is empty); otherwise it is stale, and
+code paths (``git log <that commit>..HEAD -- <paths>`` is empty; a figure dates from its JSON's commit when that is newer,
+:func:`written_with`); otherwise it is stale, and
 ``benchmarks/README.md`` must list it under "Stale results" (a line ``- `<file>`, `<file>`: why``).
 ``tests/test_benchmark_provenance.py`` checks both, and that every result file has an entry here.
 A result file not committed yet counts as current (it is being regenerated).
@@ -77,10 +78,21 @@ def _git(*args: str) -> str:
                           timeout=60).stdout.strip()
 
 
+def written_with(name: str) -> list[str]:
+    """The result files one run writes together with ``name``: a figure and the JSON of the same stem. A rerun
+    that draws the same pixels leaves the figure's bytes, hence its git history, as they were; the JSON beside it
+    (which records the commit) dates both."""
+    stem = name.rsplit(".", 1)[0]
+    if name.endswith(".png") and f"{stem}.json" in RESULT_SOURCES:
+        return [name, f"{stem}.json"]
+    return [name]
+
+
 def commits_since_result(name: str) -> list[str]:
     """Short hashes of the commits after the result's last commit that touch its code (newest first);
-    empty for a current result or one not committed yet."""
-    last = _git("log", "-1", "--format=%H", "--", f"benchmarks/results/{name}")
+    empty for a current result or one not committed yet. A figure counts from the newer of its own last commit
+    and its JSON's (:func:`written_with`)."""
+    last = _git("log", "-1", "--format=%H", "--", *(f"benchmarks/results/{n}" for n in written_with(name)))
     if not last:
         return []
     out = _git("log", "--format=%h", f"{last}..HEAD", "--", *RESULT_SOURCES[name])

@@ -63,3 +63,31 @@ def test_stale_section_parser(tmp_path):
     readme.write_text("# B\n\n## Stale results\n\n- `a.json`: reason `x.py`\n- `b.png`, `e.json`: why\n"
                       "- `f.json` no colon\nnot a list `c.json`:\n\n## Next\n- `d.json`: stale elsewhere\n")
     assert rs.listed_stale(readme) == {"a.json", "b.png", "e.json"}
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_figure_redrawn_with_the_same_pixels_counts_from_its_json(tmp_path, monkeypatch):
+    rs = _load()
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    monkeypatch.setattr(rs, "REPO", tmp_path)
+    monkeypatch.setattr(rs, "RESULTS", results)
+    monkeypatch.setattr(rs, "RESULT_SOURCES", {"r.json": ["code.py"], "r.png": ["code.py"], "lone.png": ["code.py"]})
+
+    def commit(message):
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message],
+                       cwd=tmp_path, check=True)
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "code.py").write_text("v = 1\n")
+    (results / "r.json").write_text('{"v": 1}\n')
+    (results / "r.png").write_bytes(b"pixels")
+    (results / "lone.png").write_bytes(b"pixels")
+    commit("first run")
+    (tmp_path / "code.py").write_text("v = 2\n")
+    commit("code change")
+    assert set(rs.report()) == {"r.json", "r.png", "lone.png"}
+    (results / "r.json").write_text('{"v": 2}\n')  # the rerun: same figure bytes, new JSON
+    commit("rerun")
+    assert set(rs.report()) == {"lone.png"}  # a figure without a JSON of its stem still needs its own rewrite
