@@ -1,9 +1,8 @@
 """Which code each file in ``results/`` measures, and which results are older than that code.
 
 A result is *current* when no commit after the last one that touched the result file touches any of its
-code paths (``git log <that commit>..HEAD -- <paths>`` is empty; a figure dates from its JSON's commit when that is newer,
-:func:`written_with`); otherwise it is stale, and
-``benchmarks/README.md`` must list it under "Stale results" (a line ``- `<file>`, `<file>`: why``).
+code paths (``git log <that commit>..HEAD -- <paths>`` is empty; a figure dates from its JSON's commit when
+that is newer, :func:`written_with`); otherwise it is stale, and ``benchmarks/README.md`` must list it under "Stale results" (a line ``- `<file>`, `<file>`: why``).
 ``tests/test_benchmark_provenance.py`` checks both, and that every result file has an entry here.
 A result file not committed yet counts as current (it is being regenerated).
 """
