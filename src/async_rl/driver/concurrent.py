@@ -181,7 +181,7 @@ class ConcurrentDriver(RunCore):
                     replica_metrics["async/wasted_tokens"] += self.stale_wasted_tokens
                     metrics.update(replica_metrics)
                 self.record(metrics)
-                if weights is not None and self.checkpoint_due():
+                if self.checkpoint_due():  # also after a step that trained only the critic (LiSAO warm-up)
                     self.save_checkpoint()
         finally:
             self._stop.set()

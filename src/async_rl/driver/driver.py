@@ -48,24 +48,31 @@ class DeterministicDriver(RunCore):
         self._target = target
         # the last update is published before returning, so the run ends at a checkpointable point
         while self.learner.step < target or self.publish is not None:
-            progressed, published = self._tick()
+            progressed, update_done = self._tick()
             if not progressed:
                 raise RuntimeError(self._stall_report())
-            if published and self.checkpoint_due():
+            if update_done and self.checkpoint_due():  # also after a step that trained only the critic
                 self.save_checkpoint()
         self.rollout.release_env_threads()  # idle env workers exit; a later run() starts new ones
         return self.history
 
     def _tick(self) -> tuple[bool, bool]:
-        """One tick: train if idle, generate one chunk, advance the clock, publish if due.
+        """One tick: train if idle, generate one chunk, advance the clock, publish if due. Returns (progressed,
+        an update finished this tick).
 
-        A tick ends right after a publication, when the rollout engine has dropped its KV cache: that is
-        the point where checkpoints are taken, so a resumed run re-does exactly what the original did.
+        A tick ends right after an update finishes (its publication, when the rollout engine has dropped its KV
+        cache; or nothing to publish, when the step trained only the critic): that is the point where
+        checkpoints are taken, so a resumed run re-does exactly what the original did.
         """
-        progressed = published = False
+        progressed = update_done = False
         # trainer side: take a batch when idle --------------------------------------------------------
         if self.publish is None and self.learner.step < self._target:
             batch = self.take_batch()
+            if batch is None and self._synchronous_round_short():
+                # aborted members left this round short of B: train on what survived instead of waiting for
+                # trajectories no launch will make (the next round launches once the buffer is empty)
+                batch = self.buffer.take_batch(self.buffer.num_ready, self.learner.policy_version,
+                                               self.cfg.staleness_cap)
             if batch is not None:
                 self._train(batch)
                 progressed = True
@@ -103,9 +110,14 @@ class DeterministicDriver(RunCore):
         if self.publish is not None and self.clock >= self.publish.ready_at and self.switch is not SwitchPhase.DRAINING:
             if self.publish.weights is not None:
                 self.rollout.engine.update_weights(self.publish.weights, self.publish.version)
-                published = True
             self.publish = None
-        return progressed, published
+            update_done = True
+        return progressed, update_done
+
+    def _synchronous_round_short(self) -> bool:
+        """Synchronous baseline: the round is over (nothing live, no partial group) with fewer than B ready."""
+        return (self.cfg.synchronous and 0 < self.buffer.num_ready < self.batch_size and not self.rollout.busy
+                and self.rollout.inflight_trajectories == 0 and self.buffer.num_partial_groups == 0)
 
     def _train(self, batch) -> None:
         result, weights = self.train(batch)
