@@ -484,3 +484,20 @@ def test_one_healthy_trajectory_resets_the_run_of_failures(release):
         _drain(manager)
     assert manager.env_counters.aborted_trajectories == 3 and manager.env_counters.consecutive_env_aborts <= 2
     manager.close(wait_s=5)
+
+
+@pytest.mark.parametrize("done, info, accepted", [
+    (True, {}, True), (False, {"success": True}, True), (1, {"invalid_action": 0}, True),
+    (__import__("numpy").bool_(True), {"success": __import__("numpy").bool_(False)}, True),
+    ("no", {}, False),  # a non-empty string reads as true: the episode would end as if the env said so
+    (__import__("numpy").array([True, False]), {}, False),  # bool() of it raises inside the driver
+    (2, {}, False), (None, {}, False),
+    (False, {"success": "yes"}, False), (False, {"tool_executed": [1]}, False),
+])
+def test_done_and_the_flag_keys_of_info_must_be_bools(done, info, accepted):
+    from async_rl.envs.base import StepResult, step_outcome
+
+    outcome = step_outcome(True, StepResult("obs", 0.0, done, info), None, 0.0, 1.0)
+    assert outcome.aborted is not accepted
+    if not accepted:
+        assert "expected a bool" in outcome.error

@@ -526,7 +526,24 @@ def _validate_step_result(value: Any) -> str | None:
         return f"env.step returned observation of type {type(value.observation).__name__}, expected str"
     if not isinstance(value.info, dict):
         return f"env.step returned info of type {type(value.info).__name__}, expected dict"
+    if not _is_flag(value.done):
+        return f"env.step returned done={value.done!r}, expected a bool"
+    for key in _FLAG_INFO_KEYS:
+        if key in value.info and not _is_flag(value.info[key]):
+            return f"env.step returned info[{key!r}]={value.info[key]!r}, expected a bool"
     return None
+
+
+# info keys the driver reads as flags (driver/episode.py); anything else in info is the env's own
+_FLAG_INFO_KEYS = ("invalid_action", "success", "tool_executed")
+
+
+def _is_flag(value: Any) -> bool:
+    """A bool, numpy's bool, or the integers 0 and 1 (what envs written against gym-style APIs return); a string
+    like "no" or an array would be read as true or raise, so it aborts the trajectory instead."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return True
+    return isinstance(value, int) and value in (0, 1)
 
 
 def _failure(what: str, finished: bool, error: BaseException | None, timeout_s: float | None,
