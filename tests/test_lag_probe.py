@@ -106,8 +106,8 @@ def test_launches_the_buffer_has_no_room_for_are_counted(load_benchmark, tiny_mo
     lp = load_benchmark("lag_probe")
     with lp.probe() as roomy:
         _run(tiny_model, 4)
-    # a buffer of one batch counts the live trajectories against it: groups wait for room with slots free
+    # the smallest buffer allowed (B + n - 1) counts the live trajectories against it: groups wait for room
     with lp.probe() as tight:
-        _run(tiny_model, 4, buffer_capacity=8)
+        _run(tiny_model, 4, buffer_capacity=11)
     assert roomy.summary(8, 5, None, 0)["slots"]["launches_refused_for_room"] == 0
     assert tight.summary(8, 5, None, 0)["slots"]["launches_refused_for_room"] > 0

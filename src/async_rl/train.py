@@ -239,7 +239,7 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
     algo = algorithm_config_from_dict(groups["algorithm"])
     trainer = check_trainer(groups["trainer"])
     driver_cfg = DriverConfig.from_dict(trainer.get("driver", {}))
-    driver_cfg.validate(algo.train_batch_trajectories)
+    driver_cfg.validate(algo.train_batch_trajectories, algo.group_size)
     checked = {"env": check_env(groups["env"]), "model": check_model(groups["model"]), "trainer": trainer}
     # the rest of the run reads cfg: store the normalised values back (1e3 given for an int is 1000, an
     # int given for a float becomes a float); trainer.driver is read from driver_cfg

@@ -65,15 +65,21 @@ class DriverConfig:
 
         return dataclass_from_mapping(cls, data, "trainer.driver")
 
-    def validate(self, batch_size: int) -> None:
+    def validate(self, batch_size: int, group_size: int = 1) -> None:
         """Types and ranges of every field (one line naming ``trainer.driver.<key>``, the value and what is
-        allowed), then the capacities against one batch of ``batch_size`` trajectories."""
+        allowed), then the capacities against one batch of ``batch_size`` trajectories sampled in groups of
+        ``group_size``."""
         from async_rl.validation import ConfigError, check_dataclass
 
         check_dataclass(self, "trainer.driver", self.RANGES)
-        if self.buffer_capacity is not None and self.buffer_capacity < batch_size:
-            raise ConfigError(f"trainer.driver.buffer_capacity={self.buffer_capacity}: must hold at least one "
-                              f"batch ({batch_size} trajectories)")
+        # the buffer counts live trajectories against its room: when an aborted member leaves the ready groups
+        # one short of a batch, one more group must still fit, or neither a launch nor a batch can happen
+        need = batch_size + group_size - 1
+        if self.buffer_capacity is not None and self.buffer_capacity < need:
+            raise ConfigError(
+                f"trainer.driver.buffer_capacity={self.buffer_capacity}: must hold at least one batch ({batch_size} "
+                f"trajectories) plus one group less a member (group size {group_size}): set it to {need} or "
+                "more, or null (4 x the batch)")
 
 
 def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
@@ -133,7 +139,7 @@ class RunCore(abc.ABC):
         self.learner = learner
         self.rollout = rollout
         self.batch_size = learner.cfg.train_batch_trajectories
-        cfg.validate(self.batch_size)
+        cfg.validate(self.batch_size, learner.cfg.group_size)
         self.buffer = TrajectoryBuffer(cfg.buffer_capacity or 4 * self.batch_size)
         self.max_inflight = cfg.max_inflight_trajectories or 2 * self.batch_size
         self.rollout.group_size = learner.cfg.group_size

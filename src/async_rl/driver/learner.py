@@ -4,6 +4,7 @@ critic passes, actor update, Li2SAO's gate. Reads top to bottom; the equations l
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -55,7 +56,9 @@ class Learner:
         group_sizes = {t.group_size for t in trajectories}
         if len(group_sizes) != 1:
             raise RuntimeError(f"a batch mixed group sizes {sorted(group_sizes)}; the buffer must prevent this")
-        grouped = group_sizes.pop() > 1
+        # spec §4, App. F.3: the group estimator only when the largest prompt group in this batch still has more
+        # than one response (aborts can leave every group a single survivor, whose group advantage is 0)
+        grouped = group_sizes.pop() > 1 and max(Counter(group_ids).values()) > 1
         metrics = batch_metrics(trajectories, batch, self.policy_version)
         if self.plan.shared_backbone:
             return self._sapo_step(trajectories, batch, metrics)
