@@ -1,6 +1,7 @@
 """Li2SAO (spec §4): residual targets, divergence mask, critic losses, readiness statistics and gate."""
 
 import numpy as np
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -236,3 +237,40 @@ def test_li2sao_advantage_passes_alpha_to_gae():
     a, _ = li2sao_advantage(rewards, mask, ["a", "b"], values=values, alpha=1.5)
     b, _ = li2sao_advantage(rewards, mask, ["a", "b"], values=values, alpha=100.0)
     assert not torch.allclose(a, b)
+
+
+def test_critic_returns_do_not_depend_on_group_completeness_at_any_gamma():
+    """γ^k R in both branches (λ = 1 return, spec §4), also when γ ≠ 1."""
+    from async_rl.algos.li2sao import bootstrap_returns, li2sao_advantage
+
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    mask = torch.ones(2, 3)
+    values = torch.zeros(2, 3)
+    _, all_complete = li2sao_advantage(rewards, mask, [0, 0], values=values, gamma=0.9)
+    _, one_incomplete = li2sao_advantage(rewards, mask, [0, 0], values=values, gamma=0.9,
+                                         complete_group=torch.tensor([True, False]))
+    expected = torch.tensor([[0.81, 0.9, 1.0], [0.0, 0.0, 0.0]])
+    assert torch.allclose(all_complete, expected) and torch.allclose(one_incomplete, expected)
+    assert torch.allclose(bootstrap_returns(rewards.sum(-1), mask, 0.9), expected)
+
+
+def test_a_gate_with_t_min_equal_to_t_max_switches_there():
+    """algorithm.gate validation accepts t_min == t_max (a fixed switch step); the gate must too."""
+    from async_rl.algos.li2sao import ReadinessGate
+    from async_rl.config import AlgorithmConfig, GateConfig
+
+    cfg = AlgorithmConfig(name="li2sao", group_size=8, use_critic=True, policy_loss="dis_clip",
+                          gate=GateConfig(t_min=5, t_max=5))
+    cfg.validate()
+    gate = ReadinessGate(**vars(cfg.gate))
+    opened = [gate.update(1.0, 1.0) for _ in range(6)]
+    assert opened == [False] * 4 + [True, False] and gate.switch_step == 5 and gate.forced
+    with pytest.raises(ValueError, match="t_min <= t_max"):
+        ReadinessGate(t_min=6, t_max=5)
+
+
+def test_divergence_mask_of_an_empty_batch_or_response_is_empty():
+    assert divergence_mask(torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5), torch.zeros(0), []).shape == (0, 5)
+    out = divergence_mask(torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, 0), torch.tensor([0.0, 1.0, 0.0]),
+                          [0, 0, 1])
+    assert out.shape == (3, 0)

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -124,3 +125,26 @@ def test_eq5_plain_squared_error_vs_eq10_clip():
     # Eq. 10 around V_old = 0 with ε_v = 0.2: V̄ = [0.2, 0.2] -> max((−.5)², (−.8)²), max(.5², (−.8)²) = .64 each
     clipped, _ = clipped_value_loss(values.detach(), torch.zeros(1, 3), targets, mask, 0.2)
     assert_close(clipped, torch.tensor(0.64))
+
+
+@pytest.mark.parametrize("normaliser", [0, 0.0, torch.tensor(0.0)])
+def test_a_zero_global_count_gives_a_zero_loss_not_nan(normaliser):
+    """An all-masked batch on every rank sums loss_normaliser_count to 0: the loss is 0 (0 / max(0, 1))."""
+    from async_rl.algos import aggregate_loss, clipped_value_loss, dis_policy_loss, loss_normaliser_count
+    from async_rl.algos.policy import clipped_policy_loss, squared_value_loss
+
+    mask = torch.zeros(2, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    assert float(loss_normaliser_count(mask)) == 0.0
+    losses = [
+        aggregate_loss(x, mask, "seq-mean-token-mean", normaliser),
+        aggregate_loss(x, mask, "token-mean", normaliser),
+        dis_policy_loss(x, torch.zeros(2, 3), torch.ones(2, 3), mask, loss_normaliser=normaliser)[0],
+        clipped_policy_loss(x, torch.zeros(2, 3), torch.ones(2, 3), mask, loss_normaliser=normaliser)[0],
+        clipped_value_loss(x, torch.zeros(2, 3), torch.ones(2, 3), mask, loss_normaliser=normaliser)[0],
+        squared_value_loss(x, torch.ones(2, 3), mask, loss_normaliser=normaliser)[0],
+    ]
+    for loss in losses:
+        assert float(loss) == 0.0
+        loss.backward()
+        assert torch.isfinite(x.grad).all()

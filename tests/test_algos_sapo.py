@@ -97,3 +97,11 @@ def test_value_loss_is_averaged_over_turns_not_tokens():
     # targets are clipped to the readout range after dividing by R_max
     loss10, _ = turn_value_loss(p, p.detach(), torch.tensor([[20.0, -10.0]]), torch.ones(1, 2), 0.2, 10.0)
     assert_close(loss10, torch.tensor(0.3125))
+
+
+def test_turn_targets_with_no_turns_are_empty():
+    from async_rl.algos.sapo import sapo_targets, turn_gae
+
+    none = torch.zeros(2, 0)
+    assert turn_gae(none, none, none, none).shape == (2, 0)
+    assert all(t.shape == (2, 0) for t in sapo_targets(none, none, none, none, none))

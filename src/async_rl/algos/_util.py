@@ -44,3 +44,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over ``mask``; 0 when the mask is empty (never NaN)."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def loss_denominator(local_count: torch.Tensor, loss_normaliser=None) -> torch.Tensor:
+    """What a loss's masked sum is divided by: ``loss_normaliser`` (e.g. the count summed over ranks) or the local
+    count, at least 1, so that a batch with nothing masked in (count 0 on every rank) gives a loss of 0, not 0/0."""
+    denom = local_count if loss_normaliser is None else torch.as_tensor(loss_normaliser, dtype=torch.float32)
+    return denom.clamp_min(1.0)

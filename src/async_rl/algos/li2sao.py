@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from async_rl.algos._util import group_index, last_true_index, masked_mean
+from async_rl.algos._util import group_index, last_true_index, loss_denominator, masked_mean
 from async_rl.algos.gae import sao_gae
 from async_rl.algos.grpo import broadcast_to_tokens, group_statistics, grpo_group_advantage
 
@@ -44,8 +44,8 @@ def li2sao_advantage(
         complete_group: optional ``(bs,)`` bool.
 
     Returns:
-        ``(advantages, returns)`` ``(bs, T)``. ``returns`` are absolute λ=1 returns (``= R`` on model
-        tokens for γ = 1); bootstrap critics use :func:`residual_critic_targets` on them.
+        ``(advantages, returns)`` ``(bs, T)``. ``returns`` are absolute λ=1 returns ``γ^k R`` (``= R`` on
+        model tokens for γ = 1); bootstrap critics use :func:`residual_critic_targets` on them.
     """
     scores = token_level_rewards.sum(dim=-1)
     _, _, size = group_statistics(scores, group_ids)
@@ -59,8 +59,9 @@ def li2sao_advantage(
             )
         gae_adv, returns = sao_gae(token_level_rewards, values, response_mask, alpha=alpha, gamma=gamma)
     else:
-        # γ = λ = 1 with a terminal reward: the critic return on every model token is R (paper Eq. 36)
-        returns = broadcast_to_tokens(scores.to(torch.float32), response_mask)
+        # the λ = 1 return, γ^k R (R on every model token at the spec's γ = 1, paper Eq. 36), as the GAE branch
+        # computes it: the critic target must not depend on whether some group was incomplete
+        returns = bootstrap_returns(scores, response_mask, gamma)
         gae_adv = torch.zeros_like(returns)
     if not use_group:
         return gae_adv, returns
@@ -145,6 +146,8 @@ def divergence_mask(
     """
     bs, T = response_ids.shape
     device = response_ids.device
+    if bs == 0 or T == 0:  # nothing to compare
+        return torch.zeros(bs, T, device=device)
     positions = torch.arange(T, device=device).unsqueeze(0)
     last_model = last_true_index(response_mask)
     if valid_mask is None:
@@ -210,8 +213,7 @@ def clipped_value_loss(
     clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     err = (values - targets) ** 2
     err_clipped = (clipped - targets) ** 2
-    denom = m.sum().clamp_min(1.0) if loss_normaliser is None else loss_normaliser
-    loss = (torch.maximum(err, err_clipped) * m).sum() / denom
+    loss = (torch.maximum(err, err_clipped) * m).sum() / loss_denominator(m.sum(), loss_normaliser)
     clipfrac = masked_mean((err_clipped > err).to(values.dtype), m)
     return loss, {"critic/vf_clipfrac": clipfrac.item()}
 
@@ -350,8 +352,10 @@ class ReadinessGate:
             raise ValueError(f"beta must be in [0, 1), got {self.beta}")
         if self.patience < 1:
             raise ValueError(f"patience (M) must be >= 1, got {self.patience}")
-        if not 0 <= self.t_min < self.t_max:
-            raise ValueError(f"need 0 <= t_min < t_max, got t_min={self.t_min}, t_max={self.t_max}")
+        # t_min == t_max is a fixed switch step (evidence can open the gate there only with patience 1), as
+        # algorithm.gate validation allows it
+        if not (0 <= self.t_min <= self.t_max and self.t_max >= 1):
+            raise ValueError(f"need 0 <= t_min <= t_max and t_max >= 1, got t_min={self.t_min}, t_max={self.t_max}")
 
     def update(self, e_k: Optional[float], a_k: Optional[float]) -> bool:
         """Record one bootstrap step; returns True exactly once, at the step the gate opens."""

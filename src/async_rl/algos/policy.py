@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from async_rl.algos._util import masked_mean
+from async_rl.algos._util import loss_denominator, masked_mean
 
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")
 
@@ -53,8 +53,7 @@ def aggregate_loss(
         tokens = m.sum(dim=-1)  # (bs,)
         numerator = ((loss_mat * m).sum(dim=-1) / tokens.clamp_min(1.0)).sum()
         count = (tokens > 0).to(loss_mat.dtype).sum()
-    denom = count.clamp_min(1.0) if loss_normaliser is None else loss_normaliser
-    return numerator / denom
+    return numerator / loss_denominator(count, loss_normaliser)
 
 
 def loss_normaliser_count(mask: torch.Tensor, loss_agg_mode: str = "seq-mean-token-mean") -> torch.Tensor:
@@ -130,6 +129,5 @@ def squared_value_loss(
         ``(loss, metrics)``; ``critic/vf_clipfrac`` is 0 (nothing is clipped).
     """
     m = mask.to(values.dtype)
-    denom = m.sum().clamp_min(1.0) if loss_normaliser is None else loss_normaliser
-    loss = (((values - targets) ** 2) * m).sum() / denom
+    loss = (((values - targets) ** 2) * m).sum() / loss_denominator(m.sum(), loss_normaliser)
     return loss, {"critic/vf_clipfrac": 0.0}

@@ -104,6 +104,8 @@ def _terminal_flags(dones: torch.Tensor, turn_mask: torch.Tensor) -> torch.Tenso
     """Done flags with the last valid turn forced terminal (horizon truncation bootstraps 0)."""
     K = turn_mask.shape[1]
     valid = turn_mask.bool()
+    if K == 0:  # no turns: nothing is terminal (argmax has no column to pick)
+        return torch.zeros(turn_mask.shape, dtype=torch.float32, device=turn_mask.device)
     last_valid = (valid.to(torch.long) * torch.arange(1, K + 1, device=valid.device)).argmax(dim=1)
     is_last = torch.zeros_like(valid).scatter_(1, last_valid.unsqueeze(1), True) & valid
     return (dones.bool() | is_last | ~valid).to(torch.float32)
@@ -133,7 +135,7 @@ def turn_gae(
     next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))
     delta = (r + gamma * (1 - done) * next_v - v) * valid
     adv = torch.zeros_like(delta)
-    running = torch.zeros_like(delta[:, 0])
+    running = delta.new_zeros(delta.shape[0])
     for t in range(delta.shape[1] - 1, -1, -1):  # K <= max turns (50): the recursion needs the loop
         running = delta[:, t] + gamma * lam * (1 - done[:, t]) * running
         adv[:, t] = running
