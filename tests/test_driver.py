@@ -136,11 +136,98 @@ def test_resume_is_bit_for_bit(tiny_model, tmp_path):
     assert full.rollout.prompts.cursor == resumed.rollout.prompts.cursor
 
 
+def test_a_critic_only_step_is_checkpointed_and_resumes_bit_for_bit(tiny_model, tmp_path):
+    """LiSAO's warm-up steps train the critic and publish nothing; a checkpoint there keeps that training."""
+    algo = AlgorithmConfig(name="lisao", train_batch_trajectories=8, group_size=1, use_critic=True,
+                           policy_loss="dis", critic_warmup_steps=3, actor_lr=1e-3, critic_lr=1e-3)
+    full = _build(tiny_model, dataclasses.replace(algo), steps=5, max_inflight_trajectories=16)
+    full.run()
+    first = _build(tiny_model, dataclasses.replace(algo), steps=5, checkpoint_dir=tmp_path,
+                   max_inflight_trajectories=16, checkpoint_every=2)
+    first.run(until_step=2)
+    assert (tmp_path / "step_000002.pt").exists()  # step 2 is a warm-up step: no actor update
+    assert first.learner.policy_version == 0
+    resumed = _build(tiny_model, dataclasses.replace(algo), steps=5, checkpoint_dir=tmp_path,
+                     max_inflight_trajectories=16, checkpoint_every=2)
+    assert resumed.resume() and resumed.learner.step == 2
+    resumed.run()
+    for role in ("actor", "critic"):
+        w_full = getattr(full.learner, role).engine.full_state_dict()
+        w_resumed = getattr(resumed.learner, role).engine.full_state_dict()
+        assert all(torch.equal(w_full[k], w_resumed[k]) for k in w_full)
+    strip = [{k: repr(v) for k, v in m.items() if not k.startswith("perf/")} for m in full.history]
+    assert strip == [{k: repr(v) for k, v in m.items() if not k.startswith("perf/")} for m in resumed.history]
+
+
+def test_synchronous_baseline_trains_a_round_that_aborts_left_short(tiny_model):
+    """One failed env step leaves the synchronous round B - 1 trajectories: it trains on those, never stalls."""
+    import async_rl.envs.toy  # noqa: F401
+    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.driver.episode import EpisodeLimits
+    from async_rl.envs.base import register_env
+    from async_rl.envs.toy import ToyKeysEnv, make_toy_tasks
+
+    calls = {"n": 0}
+
+    @register_env("toy_keys_fails_once")
+    class FailsOnce(ToyKeysEnv):
+        def step(self, action):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("env failed once")
+            return super().step(action)
+
+    torch.set_num_threads(1)
+    spec = RunSpec(model_path=tiny_model, env_name="toy_keys_fails_once", tasks=make_toy_tasks("toy_keys", 64, 0),
+                   max_new_tokens=6, limits=EpisodeLimits(max_turns=2, max_response_tokens=40))
+    algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
+    driver = build_deterministic_driver(algo, DriverConfig(total_steps=3, chunk_tokens=4, synchronous=True), spec)
+    history = driver.run()
+    assert len(history) == 3 and driver.buffer.counters.aborted == 1
+    sizes = [m["train/batch_trajectories"] for m in history]
+    assert sizes == [7.0, 8.0, 8.0]  # the short round, then full ones
+    assert all(m["async/policy_lag/max"] == 0.0 for m in history)  # still on-policy
+
+
+def test_a_bootstrap_batch_of_single_survivors_uses_gae_not_zero_group_advantages(tiny_model, monkeypatch):
+    """Spec App. F.3: the group advantage only when the batch's largest prompt group has > 1 response."""
+    import async_rl.driver.learner as learner_module
+
+    driver = _build(tiny_model, _li2sao(t_max=100), steps=1, max_inflight_trajectories=8)
+    used, advantages = [], []
+    real_get = learner_module.get_estimator
+    monkeypatch.setattr(learner_module, "get_estimator", lambda name: (used.append(name), real_get(name))[1])
+    real_update = driver.learner.actor.update
+
+    def update(batch, adv, *args, **kwargs):
+        advantages.append(adv.clone())
+        return real_update(batch, adv, *args, **kwargs)
+
+    monkeypatch.setattr(driver.learner.actor, "update", update)
+
+    def batch(members_per_group):
+        out = []
+        for g, members in enumerate(members_per_group):
+            for m in range(members):
+                seg = Segment("model", [11, 12, 13], [-1.0] * 3, [0] * 3)
+                out.append(Trajectory(uid=f"p{g}/r{m}", group_id=f"p{g}", prompt_index=g, prompt_ids=[1, 2, 3],
+                                      segments=[seg], reward=float((g + m) % 2), group_size=4))
+        return out
+
+    driver.learner.train_step(batch([1] * 8))  # aborts left one member of each group of 4
+    assert used[-1] == "gae" and float(advantages[-1].abs().max()) > 0
+    driver.learner.train_step(batch([2] + [1] * 6))  # one group still has two members
+    assert used[-1] == "li2sao_bootstrap"
+
+
 def test_driver_config_errors():
     with pytest.raises(ValueError, match="staleness_cap"):
         DriverConfig(staleness_cap=-1).validate(8)
     with pytest.raises(ValueError, match="buffer_capacity"):
         DriverConfig(buffer_capacity=4).validate(8)
+    with pytest.raises(ValueError, match=r"buffer_capacity=10: .*group size 4\): set it to 11 or more"):
+        DriverConfig(buffer_capacity=10).validate(8, 4)
+    DriverConfig(buffer_capacity=11).validate(8, 4)
 
 
 # ------------------------------------------------------------------------------------------------------
