@@ -159,6 +159,24 @@ def test_a_critic_only_step_is_checkpointed_and_resumes_bit_for_bit(tiny_model, 
     assert strip == [{k: repr(v) for k, v in m.items() if not k.startswith("perf/")} for m in resumed.history]
 
 
+def test_the_concurrent_scheduler_also_checkpoints_a_critic_only_step(tiny_model, tmp_path):
+    algo = AlgorithmConfig(name="lisao", train_batch_trajectories=8, group_size=1, use_critic=True,
+                           policy_loss="dis", critic_warmup_steps=3, actor_lr=1e-3, critic_lr=1e-3)
+    import async_rl.envs.toy  # noqa: F401
+    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.driver.episode import EpisodeLimits
+    from async_rl.envs.toy import make_toy_tasks
+
+    torch.set_num_threads(1)
+    spec = RunSpec(model_path=tiny_model, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 64, 0),
+                   max_new_tokens=6, limits=EpisodeLimits(max_turns=2, max_response_tokens=40))
+    driver = build_concurrent_driver(algo, DriverConfig(total_steps=2, chunk_tokens=4, checkpoint_every=2), spec,
+                                     checkpoint_dir=tmp_path)
+    driver.run()
+    assert driver.learner.policy_version == 0  # both steps were warm-up steps
+    assert (tmp_path / "step_000002.pt").exists()
+
+
 def test_synchronous_baseline_trains_a_round_that_aborts_left_short(tiny_model):
     """One failed env step leaves the synchronous round B - 1 trajectories: it trains on those, never stalls."""
     import async_rl.envs.toy  # noqa: F401
