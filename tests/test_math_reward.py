@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import async_rl.rewards.math_reward as math_reward_module
 from async_rl.rewards.math_reward import (
     MAX_SYMBOLIC_CHARS,
     MathVerifier,
@@ -311,12 +312,20 @@ def test_waiting_for_a_busy_pool_counts_against_the_timeout(verifier):
     assert is_equivalent(r"\frac{1}{2}", "0.5", timeout_s=30, verifier=verifier)
 
 
-def test_a_cold_pool_answers_within_the_limit_and_keeps_the_worker_it_started():
+def test_a_cold_pool_answers_within_the_limit_and_keeps_the_worker_it_started(monkeypatch):
+    # A worker's start (the sympy import) takes ~0.2-3 s depending on the machine and its disk cache; hold it
+    # for 2 s more, so that it outlasts the check's limit on every machine.
+    wait_ready = math_reward_module._VerifierWorker.wait_ready
+
+    def slow_wait_ready(worker, timeout_s):
+        time.sleep(2.0)
+        return wait_ready(worker, timeout_s)
+
+    monkeypatch.setattr(math_reward_module._VerifierWorker, "wait_ready", slow_wait_ready)
     pool = MathVerifier(max_workers=1)
     try:
         started = time.monotonic()
-        # the sympy import of the first worker (~1 s) alone outlasts this limit
-        assert not is_equivalent(r"9^{9^{9^{9}}}", "1", timeout_s=0.3, verifier=pool)
+        assert not is_equivalent(r"\frac{1}{2}", "0.5", timeout_s=0.3, verifier=pool)
         assert time.monotonic() - started < 0.3 + 1.0
         assert pool.stats["timeouts"] == 1 and pool.stats["checks"] == 0  # it never reached a worker
         assert pool.warm_up() == 1  # the start went on in the background
