@@ -69,6 +69,8 @@ RESULT_SOURCES: dict[str, list[str]] = {
     "stability_map.json": ["benchmarks/stability_map.py", *_TRAINING],
     "stability_map.png": ["benchmarks/stability_map.py", *_TRAINING],
     "stability_ablation.json": ["benchmarks/stability_map.py", *_TRAINING],
+    "lisao_demo_seeds.json": ["benchmarks/lisao_demo_seeds.py", "benchmarks/stability_map.py", "conf",
+                              "src/async_rl/train.py", "src/async_rl/run_summary.py", *_TRAINING],
     "kl_guard_replay.json": ["benchmarks/kl_guard_replay.py", "benchmarks/stability_map.py", "benchmarks/_common.py",
                              "benchmarks/results/stability_map.json", "src/async_rl/driver/kl_guard.py"],
 }
