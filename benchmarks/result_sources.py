@@ -22,13 +22,15 @@ _TRAINING = ["benchmarks/_common.py", "src/async_rl/algos", "src/async_rl/driver
              "src/async_rl/engine", "src/async_rl/config.py", "src/async_rl/envs/toy.py",
              "src/async_rl/envs/base.py", "src/async_rl/envs/facts.py", "src/async_rl/envs/demonstrations.py",
              "src/async_rl/rollout/base.py", "src/async_rl/rollout/hf_engine.py"]
+# what a command-line run adds: config validation, the metrics sinks, the rollout client the trainer calls
+_CLI = ["src/async_rl/validation.py", "src/async_rl/tracking.py", "src/async_rl/rollout/client.py"]
 _ROLLOUT = ["src/async_rl/rollout", "src/async_rl/driver", "src/async_rl/workers", "src/async_rl/train.py"]
 
 RESULT_SOURCES: dict[str, list[str]] = {
     "aime_tiny_gate.json": ["benchmarks/aime_tiny_gate.py", "recipes/aime_tiny.yaml", "recipes/data", "conf",
                             "src/async_rl/train.py", "src/async_rl/envs/math_env.py", "src/async_rl/rewards",
                             "src/async_rl/models/sft.py", "src/async_rl/workers", "src/async_rl/run_summary.py",
-                            *_TRAINING],
+                            *_CLI, *_TRAINING],
     "advantage_kernels.json": ["benchmarks/advantage_kernels.py", "src/async_rl/algos/gae.py"],
     "algorithms_toy.json": ["benchmarks/algorithms_toy.py", *_TRAINING],
     "algorithms_toy.png": ["benchmarks/algorithms_toy.py", *_TRAINING],
@@ -54,25 +56,27 @@ RESULT_SOURCES: dict[str, list[str]] = {
                                 "src/async_rl/rollout/hf_engine.py"],
     "sapo_vs_ppo.json": ["benchmarks/sapo_vs_ppo.py", *_TRAINING],
     "sapo_vs_ppo_h256_l4.json": ["benchmarks/sapo_vs_ppo.py", *_TRAINING],
-    "demo_rollout_hybrid.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_ROLLOUT, *_TRAINING],
-    "demo_rollout_replicas.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_ROLLOUT, *_TRAINING],
+    "demo_rollout_hybrid.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_CLI, *_ROLLOUT, *_TRAINING],
+    "demo_rollout_replicas.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_CLI, *_ROLLOUT, *_TRAINING],
     "install_vllm_dry_run.txt": ["Makefile", "pyproject.toml"],
     "call_costs.json": ["benchmarks/call_costs.py", "src/async_rl/envs/base.py", "src/async_rl/sandbox",
                         "src/async_rl/rewards/math_reward.py"],
     "warm_start.json": ["benchmarks/warm_start.py", "src/async_rl/models/sft.py", "src/async_rl/models/tiny.py",
                         "src/async_rl/envs/toy.py", "src/async_rl/envs/facts.py",
                         "src/async_rl/envs/demonstrations.py"],
-    "demo_summary.json": ["benchmarks/demo_summary.py", "conf", "src/async_rl/train.py", *_TRAINING],
-    "demo_rollout_vllm.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_ROLLOUT, *_TRAINING],
+    "demo_summary.json": ["benchmarks/demo_summary.py", "conf", "src/async_rl/train.py", "src/async_rl/run_summary.py",
+                          *_CLI, *_TRAINING],
+    "demo_rollout_vllm.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_CLI, *_ROLLOUT, *_TRAINING],
     "rollout_engines.json": ["benchmarks/rollout_engines.py", "src/async_rl/rollout", "src/async_rl/models"],
     "sandbox_hardening.json": ["benchmarks/sandbox_hardening.py", "src/async_rl/sandbox"],
-    "stability_map.json": ["benchmarks/stability_map.py", *_TRAINING],
-    "stability_map.png": ["benchmarks/stability_map.py", *_TRAINING],
-    "stability_ablation.json": ["benchmarks/stability_map.py", *_TRAINING],
+    "stability_map.json": ["benchmarks/stability_map.py", "src/async_rl/run_summary.py", *_TRAINING],
+    "stability_map.png": ["benchmarks/stability_map.py", "src/async_rl/run_summary.py", *_TRAINING],
+    "stability_ablation.json": ["benchmarks/stability_map.py", "src/async_rl/run_summary.py", *_TRAINING],
     "lisao_demo_seeds.json": ["benchmarks/lisao_demo_seeds.py", "benchmarks/stability_map.py", "conf",
-                              "src/async_rl/train.py", "src/async_rl/run_summary.py", *_TRAINING],
+                              "src/async_rl/train.py", "src/async_rl/run_summary.py", *_CLI, *_TRAINING],
     "kl_guard_replay.json": ["benchmarks/kl_guard_replay.py", "benchmarks/stability_map.py", "benchmarks/_common.py",
-                             "benchmarks/results/stability_map.json", "src/async_rl/driver/kl_guard.py"],
+                             "benchmarks/results/stability_map.json", "src/async_rl/driver/kl_guard.py",
+                             "src/async_rl/run_summary.py"],
 }
 
 
