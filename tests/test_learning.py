@@ -7,7 +7,7 @@ another machine are two different runs: the tests assert properties that held fo
 a trajectory. Settings sit inside the measured robust region (docs/algorithms.md, "Stability"): actor lr 3e-4
 with staleness cap 4, where benchmarks/results/algorithms_toy.json has 25 of 25 runs (5 algorithms x 5 seeds)
 at a last-8-steps success of 0.74 or more by step 28, none collapsing, and benchmarks/results/stability_map.json
-has DIS at lr 3e-4, cap 4 never below 0.78 after reaching 0.9 (3 seeds; 0.72 on another machine's map). At actor
+has DIS at lr 3e-4, cap 4 never below 0.78 after reaching 0.9 (3 seeds; 0.75 on another machine's map). At actor
 lr 1e-3 the same DIS runs fell below 0.5 after reaching 0.9 on 3 of 3 seeds, 2 of them collapsing (the map; on
 the machine of commit 1c93eb5 2 of 3 dipped and none collapsed), which is why the old single-seed test at 1e-3
 passed on one CPU and failed on another.
