@@ -43,3 +43,14 @@ def test_the_runs_are_the_demo_command_with_lisao_single_rollout(seeds_module):
     assert extra == ["algorithm=lisao", "algorithm.group_size=1", "seed=1", "trainer.driver.total_steps=40",
                      "algorithm.actor_lr=0.001"]
     assert seeds_module._fmt(None) == "n/a" and seeds_module._fmt(0.12345, 3) == "0.123"
+
+
+def test_the_runs_are_three_seeds_at_the_demos_actor_lr_and_one_at_issue_19s(seeds_module):
+    """docs/algorithms.md reads the first three runs as "the demo at its own lr": if conf/demo.yaml's actor lr
+    moves, the benchmark must move with it (and be rerun)."""
+    import yaml
+
+    demo = yaml.safe_load((seeds_module.C.REPO / "conf" / "demo.yaml").read_text())
+    demo_lr = float(demo["algorithm"]["actor_lr"])
+    assert sorted(seed for seed, lr in seeds_module.RUNS if lr == demo_lr) == [0, 1, 2]
+    assert [(seed, lr) for seed, lr in seeds_module.RUNS if lr != demo_lr] == [(0, 1e-3)]
