@@ -1,6 +1,6 @@
 """GRPO, LiSAO, Li2SAO, SAPO and PPO on toy_keys, 5 seeds each: the papers' phenomena, measured.
 
-Every algorithm trains the same SFT-warm-started tiny model (``_common.warm_model``) with the asynchronous
+Every algorithm trains the same SFT-warm-started tiny model (``_training.warm_model``) with the asynchronous
 deterministic driver (B = 32 trajectories per step, in-flight capacity B, staleness cap 4, actor lr 3e-4 and
 critic lr 1e-3 as in ``make demo``): GRPO n = 4 (Eq. 1, ``ppo_clip``); LiSAO n = 1 with 3 critic warm-up
 steps and DIS; Li2SAO bootstraps with n = 4 and switches to n = 1 when its readiness gate opens; SAPO n = 1
@@ -36,6 +36,7 @@ import statistics
 import time
 
 import _common as C
+import _training as T
 
 B = 32
 # the demo's learning rates (conf/demo.yaml): at actor lr 1e-3 the policy leaves 0.9 within ~10 steps and the
@@ -81,7 +82,7 @@ def window_mean(values: list[float], start: int, stop: int) -> float:
     return sum(part) / len(part) if part else float("nan")
 
 
-def gate_record(run: C.RunResult) -> dict:
+def gate_record(run: T.RunResult) -> dict:
     """Li2SAO: step of the switch, whether T_max forced it, and the gate's EMAs on that step."""
     row = next((m for m in run.history if m.get("li2sao/gate_opened")), None)
     if row is None:
@@ -96,7 +97,7 @@ def gate_record(run: C.RunResult) -> dict:
                                                None)}
 
 
-def seed_record(run: C.RunResult, steps: int) -> dict:
+def seed_record(run: T.RunResult, steps: int) -> dict:
     acc = run.series("train/success_rate")
     tail = max(2, round(steps / 8))
     quarter = max(1, round(steps / 4))
@@ -222,24 +223,24 @@ def main(argv=None) -> dict:
     C.set_threads()
     C.quiet_libraries()
     machine = C.machine_info()
-    model = C.warm_model()
+    model = T.warm_model()
     started = time.perf_counter()
     stem = C.result_stem("algorithms_toy", args.quick)
     setup = {"batch_trajectories": B, "steps": steps, "seeds": seeds, "staleness_cap": 4,
              "max_inflight_trajectories": B, "actor_lr": ACTOR_LR, "critic_lr": CRITIC_LR,
              "presets": {n: {k: (vars(v) if hasattr(v, "__dataclass_fields__") else v)
-                             for k, v in {**C.ALGO_PRESETS.get(n, {}), **algo_overrides(n, steps)}.items()}
+                             for k, v in {**T.ALGO_PRESETS.get(n, {}), **algo_overrides(n, steps)}.items()}
                          for n in names},
              "final_accuracy_window_steps": max(2, round(steps / 8)),
              "first_quarter_steps": max(1, round(steps / 4)),
-             "model": C.MODEL_DESCRIPTION}
+             "model": T.MODEL_DESCRIPTION}
 
     per_algo: dict[str, list[dict]] = {}
     bar = C.progress(steps * len(names) * len(seeds), "algorithms_toy")
     results: dict = {}
     for seed in seeds:  # seed-major: an interrupted run still has every algorithm on the first seeds
         for name in names:
-            run = C.run_algorithm(name, model, label=f"{name} s{seed}", steps=steps, batch=B, seed=seed,
+            run = T.run_algorithm(name, model, label=f"{name} s{seed}", steps=steps, batch=B, seed=seed,
                                   algo_overrides=algo_overrides(name, steps), on_step=lambda m: bar.update(1))
             record = seed_record(run, steps)
             per_algo.setdefault(name, []).append(record)

@@ -37,13 +37,14 @@ import statistics
 import time
 
 import _common as C
+import _training as T
 
 B, N = 32, 4
 SYNC = "sync"
 CONCURRENT = "async concurrent in-flight B (real threads)"
 
 
-def summarize(run: C.RunResult) -> dict:
+def summarize(run: T.RunResult) -> dict:
     acc = run.series("train/success_rate")
     last = run.history[-1]
     n = max(len(run.history), 1)
@@ -77,12 +78,12 @@ def summarize(run: C.RunResult) -> dict:
     }
 
 
-def steps_reached_by(run: C.RunResult, key: str, limit: float) -> int:
+def steps_reached_by(run: T.RunResult, key: str, limit: float) -> int:
     """Trainer steps the run had started by ``limit`` on the clock ``key`` (``async/clock_ticks``, ``perf/wall_s``)."""
     return sum(1 for m in run.history if m.get(key, float("inf")) <= limit)
 
 
-def plot(rows: list[dict], runs: dict[str, C.RunResult], path) -> None:
+def plot(rows: list[dict], runs: dict[str, T.RunResult], path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,7 +149,7 @@ def main(argv=None) -> dict:
     C.set_threads()
     C.quiet_libraries()
     machine = C.machine_info()
-    model = C.warm_model()
+    model = T.warm_model()
 
     main_cfgs = [
         (SYNC, {"synchronous": True}, "deterministic"),
@@ -166,10 +167,10 @@ def main(argv=None) -> dict:
     repeat_cfgs = [c for c in main_cfgs if c[0] in (SYNC, CONCURRENT)] * (repeats - 1)
     bar = C.progress(steps * (len(main_cfgs) + len(sweep_cfgs) + len(repeat_cfgs)), "async_vs_sync")
     walls: dict[str, list[float]] = {}
-    runs: dict[str, C.RunResult] = {}
+    runs: dict[str, T.RunResult] = {}
     started = time.perf_counter()
     for label, overrides, scheduler in main_cfgs + sweep_cfgs + repeat_cfgs:
-        r = C.run_algorithm("grpo", model, label=label, steps=steps, batch=B, seed=args.seed,
+        r = T.run_algorithm("grpo", model, label=label, steps=steps, batch=B, seed=args.seed,
                             algo_overrides={"group_size": N}, driver_overrides=overrides,
                             scheduler=scheduler, on_step=lambda m: bar.update(1))
         runs.setdefault(label, r)  # metrics of the first run; repeats only add wall-time samples

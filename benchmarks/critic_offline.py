@@ -19,6 +19,7 @@ import argparse
 import time
 
 import _common as C
+import _training as T
 
 B = 32
 GROUP = 4
@@ -29,7 +30,7 @@ def warm_start(blind_fraction: float, seed: int = 0) -> str:
     from async_rl.models.sft import sft_warm_start
     from async_rl.models.tiny import make_tiny_model
 
-    root = C.MODEL_CACHE / f"tiny-toy_keys-s{seed}-sft{C._sft_settings_tag('toy_keys')}-blind{blind_fraction:g}"
+    root = T.MODEL_CACHE / f"tiny-toy_keys-s{seed}-sft{T._sft_settings_tag('toy_keys')}-blind{blind_fraction:g}"
     base, sft = root / "base", root / "sft"
     if not (base / "config.json").exists():
         make_tiny_model(base, seed=seed)

@@ -1,10 +1,10 @@
 """Framework overhead: the project's synchronous arm vs a minimal hand-written GRPO loop doing the same work.
 
-Both sides: the SFT-warm-started tiny model of ``_common.warm_model`` (same weights), toy_keys, GRPO with B = 32
+Both sides: the SFT-warm-started tiny model of ``_training.warm_model`` (same weights), toy_keys, GRPO with B = 32
 trajectories per step (8 prompts x n = 4), up to 4 turns of at most 24 sampled tokens, 160 response tokens,
 temperature 1, lr 1e-3 AdamW (no weight decay), gradient clipping at 1, one torch thread, ``--steps`` steps.
 
-- **project**: exactly the ``sync`` arm of ``async_vs_sync.py`` -- ``_common.run_algorithm("grpo", ...,
+- **project**: exactly the ``sync`` arm of ``async_vs_sync.py`` -- ``_training.run_algorithm("grpo", ...,
   driver_overrides={"synchronous": True})``: the deterministic driver, the rollout engine (continuous
   batching, KV cache, per-token versions), env calls on the worker pool under timeouts, episodes, buffer,
   learner, verl's registered loss, weight publication to the rollout engine's own copy of the model.
@@ -42,6 +42,7 @@ import time
 import torch
 
 import _common as C
+import _training as T
 
 B, N = 32, 4  # trajectories per step, group size: the async_vs_sync sync arm
 MAX_TURNS, MAX_NEW_TOKENS, MAX_RESPONSE_TOKENS = 4, 24, 160
@@ -280,7 +281,7 @@ def run_project(model_path: str, steps: int, seed: int) -> dict:
     Learner.train_step = timed
     try:
         with compute_timer() as totals:
-            run = C.run_algorithm("grpo", model_path, label="sync", steps=steps, batch=B, seed=seed,
+            run = T.run_algorithm("grpo", model_path, label="sync", steps=steps, batch=B, seed=seed,
                                   algo_overrides={"group_size": N}, driver_overrides={"synchronous": True})
     finally:
         Learner.train_step = original
@@ -304,7 +305,7 @@ def main(argv=None) -> dict:
     C.set_threads()
     C.quiet_libraries()
     machine = C.machine_info()
-    model = C.warm_model()
+    model = T.warm_model()
     runs: dict[str, list[dict]] = {"project": [], "minimal": []}
     started = time.perf_counter()
     for repeat in range(repeats):

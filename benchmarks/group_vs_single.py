@@ -37,6 +37,7 @@ import argparse
 import time
 
 import _common as C
+import _training as T
 import lag_probe
 
 B = 32
@@ -50,7 +51,7 @@ ARMS = [
 ]
 
 
-def summarize(run: C.RunResult, inflight: int, update_ticks: int) -> dict:
+def summarize(run: T.RunResult, inflight: int, update_ticks: int) -> dict:
     n = max(len(run.history), 1)
     acc = run.series("train/success_rate")
     return {
@@ -77,7 +78,7 @@ def summarize(run: C.RunResult, inflight: int, update_ticks: int) -> dict:
     }
 
 
-def plot(rows: list[dict], runs: dict[str, C.RunResult], path) -> None:
+def plot(rows: list[dict], runs: dict[str, T.RunResult], path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +133,7 @@ def main_long_tail(args) -> dict:
     arms = [("GRPO n=8", "grpo", {"group_size": 8}),
             ("LiSAO n=1", "lisao", {"group_size": 1, "critic_warmup_steps": 0})]
     machine = C.machine_info()
-    model = C.warm_model()
+    model = T.warm_model()
     rows, started = [], time.perf_counter()
     # in-flight capacity B is the headline; 2 B (simulated clock) shows the buffer holding up a group's launch
     cells = [("deterministic", B), ("concurrent", B)] + ([] if args.quick else [("deterministic", 2 * B)])
@@ -140,7 +141,7 @@ def main_long_tail(args) -> dict:
         for arm, algo, overrides in arms:
             label = f"{arm}, {scheduler}" + ("" if inflight == B else ", in-flight 2B")
             with lag_probe.probe() as measured:
-                run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
+                run = T.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
                                       algo_overrides={**overrides, "actor_lr": args.actor_lr}, scheduler=scheduler,
                                       long_tail=LONG_TAIL_DEFAULT,
                                       driver_overrides={"synchronous": False, "max_inflight_trajectories": inflight,
@@ -185,7 +186,7 @@ def main_long_tail(args) -> dict:
         "setup": {"batch_trajectories": B, "steps": steps, "seed": args.seed, "staleness_cap": 4, "chunk_tokens": 8,
                   "update_ticks": 1, "max_inflight_trajectories": sorted({c for _, c in cells}),
                   "env": "toy_keys, long-tailed variant",
-                  "lisao_critic_warmup_steps": 0, "actor_lr": args.actor_lr, "model": C.MODEL_DESCRIPTION},
+                  "lisao_critic_warmup_steps": 0, "actor_lr": args.actor_lr, "model": T.MODEL_DESCRIPTION},
         "length_distribution": length_distribution({**LONG_TAIL_DEFAULT, "seed": args.seed}),
         "single_over_group": ratios("deterministic", "sim_ticks_per_step"),
         "single_over_group_concurrent": ratios("concurrent", "wall_s_per_step"),
@@ -248,18 +249,18 @@ def main(argv=None) -> dict:
     C.set_threads()
     C.quiet_libraries()
     machine = C.machine_info()
-    model = C.warm_model()
+    model = T.warm_model()
     capacities = [B] if args.quick else [B, 2 * B]
     regimes = [4, 1]  # update_ticks: trainer-bound, rollout-bound
     cells = [(ut, inflight) for ut in regimes for inflight in capacities]
     bar = C.progress(steps * len(ARMS) * len(cells), "group_vs_single")
-    runs: dict[str, C.RunResult] = {}
+    runs: dict[str, T.RunResult] = {}
     rows = []
     started = time.perf_counter()
     for ut, inflight in cells:
         for arm, algo, overrides in ARMS:
             label = f"{arm}, in-flight {'B' if inflight == B else '2B'}, update_ticks={ut}"
-            run = C.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
+            run = T.run_algorithm(algo, model, label=label, steps=steps, batch=B, seed=args.seed,
                                   algo_overrides={**overrides, "actor_lr": args.actor_lr},
                                   driver_overrides={"synchronous": False, "max_inflight_trajectories": inflight,
                                                     "update_ticks": ut},

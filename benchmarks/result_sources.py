@@ -1,84 +1,164 @@
 """Which code each file in ``results/`` measures, and which results are older than that code.
 
+A result's code is derived, not listed: :data:`RESULT_INPUTS` names the script(s) that write it and the non-Python
+inputs it reads (configs, recipes, data, other results); :func:`sources` adds the transitive import closure of those
+scripts over ``benchmarks/`` and ``src/async_rl/`` (:func:`import_closure`: every ``import`` and ``from ... import``,
+inside functions too, relative imports, the ``__init__`` of every package on the way, and string literals that name
+an ``async_rl`` module, as ``python -m async_rl.train`` and ``make_env("async_rl.envs.x:Env")`` use). An edit to any
+module a benchmark can reach makes its result stale; a hand-written list would miss one (issue 35).
+
 A result is *current* when no commit after the last one that touched the result file touches any of its
-code paths (``git log <that commit>..HEAD -- <paths>`` is empty; a figure dates from its JSON's commit when
-that is newer, :func:`written_with`); otherwise it is stale, and ``benchmarks/README.md`` must list it under "Stale results" (a line ``- `<file>`, `<file>`: why``).
-``tests/test_benchmark_provenance.py`` checks both, and that every result file has an entry here.
-A result file not committed yet counts as current (it is being regenerated).
+sources (``git log <that commit>..HEAD -- <paths>`` is empty; a figure dates from its JSON's commit when
+that is newer, :func:`written_with`); otherwise it is stale, and ``benchmarks/README.md`` must list it under
+"Stale results" (a line ``- `<file>`, `<file>`: why``). ``tests/test_benchmark_provenance.py`` checks both, and
+that every result file has an entry here. A result file not committed yet counts as current (it is being
+regenerated). The check needs the full history: on a shallow clone :func:`require_full_history` raises.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
+BENCHMARKS = "benchmarks"
+PACKAGE_ROOT = "src"  # where ``async_rl`` lives
 
-# code every training benchmark runs: the local actor/critic, the schedulers, the hf engine, toy_keys and its
-# registered facts and warm-start demonstrations
-_TRAINING = ["benchmarks/_common.py", "src/async_rl/algos", "src/async_rl/driver", "src/async_rl/models",
-             "src/async_rl/engine", "src/async_rl/config.py", "src/async_rl/envs/toy.py",
-             "src/async_rl/envs/base.py", "src/async_rl/envs/facts.py", "src/async_rl/envs/demonstrations.py",
-             "src/async_rl/rollout/base.py", "src/async_rl/rollout/hf_engine.py"]
-# what a command-line run adds: config validation, the metrics sinks, the rollout client the trainer calls
-_CLI = ["src/async_rl/validation.py", "src/async_rl/tracking.py", "src/async_rl/rollout/client.py"]
-_ROLLOUT = ["src/async_rl/rollout", "src/async_rl/driver", "src/async_rl/workers", "src/async_rl/train.py"]
+# a string literal that is exactly a module name, optionally with ``:attribute`` (``-m async_rl.train``, env specs)
+_MODULE_LITERAL = re.compile(r"(async_rl(?:\.[A-Za-z_]\w*)*)(?::[A-Za-z_]\w*)?")
 
-RESULT_SOURCES: dict[str, list[str]] = {
-    "aime_tiny_gate.json": ["benchmarks/aime_tiny_gate.py", "recipes/aime_tiny.yaml", "recipes/data", "conf",
-                            "src/async_rl/train.py", "src/async_rl/envs/math_env.py", "src/async_rl/rewards",
-                            "src/async_rl/models/sft.py", "src/async_rl/workers", "src/async_rl/run_summary.py",
-                            *_CLI, *_TRAINING],
-    "advantage_kernels.json": ["benchmarks/advantage_kernels.py", "src/async_rl/algos/gae.py"],
-    "algorithms_toy.json": ["benchmarks/algorithms_toy.py", *_TRAINING],
-    "algorithms_toy.png": ["benchmarks/algorithms_toy.py", *_TRAINING],
-    "async_vs_sync.json": ["benchmarks/async_vs_sync.py", *_TRAINING],
-    "async_vs_sync.png": ["benchmarks/async_vs_sync.py", *_TRAINING],
-    "critic_offline.json": ["benchmarks/critic_offline.py", *_TRAINING],
-    "framework_overhead.json": ["benchmarks/framework_overhead.py", *_TRAINING],
-    "framework_overhead_quick.json": ["benchmarks/framework_overhead.py", *_TRAINING],
-    "group_vs_single.json": ["benchmarks/group_vs_single.py", "benchmarks/lag_probe.py", *_TRAINING],
-    "group_vs_single.png": ["benchmarks/group_vs_single.py", "benchmarks/lag_probe.py", *_TRAINING],
-    "group_vs_single_longtail.json": ["benchmarks/group_vs_single.py", "benchmarks/lag_probe.py", *_TRAINING],
-    "group_vs_single_lr0.001.json": ["benchmarks/group_vs_single.py", "benchmarks/lag_probe.py", *_TRAINING],
-    "group_vs_single_lr0.001.png": ["benchmarks/group_vs_single.py", "benchmarks/lag_probe.py", *_TRAINING],
+# result file -> the scripts that write it (their import closures are added) and the other files it reads
+RESULT_INPUTS: dict[str, list[str]] = {
+    "aime_tiny_gate.json": ["benchmarks/aime_tiny_gate.py", "recipes/aime_tiny.yaml", "recipes/data", "conf"],
+    "advantage_kernels.json": ["benchmarks/advantage_kernels.py"],
+    "algorithms_toy.json": ["benchmarks/algorithms_toy.py"],
+    "algorithms_toy.png": ["benchmarks/algorithms_toy.py"],
+    "async_vs_sync.json": ["benchmarks/async_vs_sync.py"],
+    "async_vs_sync.png": ["benchmarks/async_vs_sync.py"],
+    "critic_offline.json": ["benchmarks/critic_offline.py"],
+    "framework_overhead.json": ["benchmarks/framework_overhead.py"],
+    "framework_overhead_quick.json": ["benchmarks/framework_overhead.py"],
+    "group_vs_single.json": ["benchmarks/group_vs_single.py"],
+    "group_vs_single.png": ["benchmarks/group_vs_single.py"],
+    "group_vs_single_longtail.json": ["benchmarks/group_vs_single.py"],
+    "group_vs_single_lr0.001.json": ["benchmarks/group_vs_single.py"],
+    "group_vs_single_lr0.001.png": ["benchmarks/group_vs_single.py"],
     "longtail_barrier_model.json": ["benchmarks/longtail_barrier_model.py",
-                                    "benchmarks/results/group_vs_single_longtail.json", "benchmarks/_common.py",
-                                    "src/async_rl/driver/episode.py"],
-    "memory_model.json": ["benchmarks/memory_model.py", "src/async_rl/engine", "src/async_rl/models"],
-    "peak_memory.json": ["benchmarks/peak_memory.py", "benchmarks/memory_model.py", "src/async_rl/engine",
-                         "src/async_rl/models"],
-    "rollout_replicas.json": ["benchmarks/rollout_replicas.py", *_ROLLOUT],
-    "replica_profile.json": ["benchmarks/replica_profile.py", "benchmarks/rollout_replicas.py", *_ROLLOUT],
-    "rollout_throughput.json": ["benchmarks/rollout_throughput.py", "src/async_rl/rollout/base.py",
-                                "src/async_rl/rollout/hf_engine.py"],
-    "sapo_vs_ppo.json": ["benchmarks/sapo_vs_ppo.py", *_TRAINING],
-    "sapo_vs_ppo_h256_l4.json": ["benchmarks/sapo_vs_ppo.py", *_TRAINING],
-    "demo_rollout_hybrid.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_CLI, *_ROLLOUT, *_TRAINING],
-    "demo_rollout_replicas.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_CLI, *_ROLLOUT, *_TRAINING],
+                                    "benchmarks/results/group_vs_single_longtail.json"],
+    "memory_model.json": ["benchmarks/memory_model.py"],
+    "peak_memory.json": ["benchmarks/peak_memory.py"],
+    "rollout_replicas.json": ["benchmarks/rollout_replicas.py"],
+    "replica_profile.json": ["benchmarks/replica_profile.py"],
+    "rollout_throughput.json": ["benchmarks/rollout_throughput.py"],
+    "sapo_vs_ppo.json": ["benchmarks/sapo_vs_ppo.py"],
+    "sapo_vs_ppo_h256_l4.json": ["benchmarks/sapo_vs_ppo.py"],
+    "demo_rollout_hybrid.txt": ["benchmarks/demo_rollout_logs.py", "conf"],
+    "demo_rollout_replicas.txt": ["benchmarks/demo_rollout_logs.py", "conf"],
+    "demo_rollout_vllm.txt": ["benchmarks/demo_rollout_logs.py", "conf"],
     "install_vllm_dry_run.txt": ["Makefile", "pyproject.toml"],
-    "call_costs.json": ["benchmarks/call_costs.py", "src/async_rl/envs/base.py", "src/async_rl/sandbox",
-                        "src/async_rl/rewards/math_reward.py"],
-    "warm_start.json": ["benchmarks/warm_start.py", "src/async_rl/models/sft.py", "src/async_rl/models/tiny.py",
-                        "src/async_rl/envs/toy.py", "src/async_rl/envs/facts.py",
-                        "src/async_rl/envs/demonstrations.py"],
-    "demo_summary.json": ["benchmarks/demo_summary.py", "conf", "src/async_rl/train.py", "src/async_rl/run_summary.py",
-                          *_CLI, *_TRAINING],
-    "demo_rollout_vllm.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_CLI, *_ROLLOUT, *_TRAINING],
-    "rollout_engines.json": ["benchmarks/rollout_engines.py", "src/async_rl/rollout", "src/async_rl/models"],
-    "sandbox_hardening.json": ["benchmarks/sandbox_hardening.py", "src/async_rl/sandbox"],
-    "stability_map.json": ["benchmarks/stability_map.py", "src/async_rl/run_summary.py", *_TRAINING],
-    "stability_map.png": ["benchmarks/stability_map.py", "src/async_rl/run_summary.py", *_TRAINING],
-    "stability_ablation.json": ["benchmarks/stability_map.py", "src/async_rl/run_summary.py", *_TRAINING],
-    "lisao_demo_seeds.json": ["benchmarks/lisao_demo_seeds.py", "benchmarks/stability_map.py", "conf",
-                              "src/async_rl/train.py", "src/async_rl/run_summary.py", *_CLI, *_TRAINING],
-    "kl_guard_replay.json": ["benchmarks/kl_guard_replay.py", "benchmarks/stability_map.py", "benchmarks/_common.py",
-                             "benchmarks/results/stability_map.json", "src/async_rl/driver/kl_guard.py",
-                             "src/async_rl/run_summary.py"],
+    "call_costs.json": ["benchmarks/call_costs.py"],
+    "warm_start.json": ["benchmarks/warm_start.py"],
+    "demo_summary.json": ["benchmarks/demo_summary.py", "conf"],
+    "rollout_engines.json": ["benchmarks/rollout_engines.py"],
+    "sandbox_hardening.json": ["benchmarks/sandbox_hardening.py"],
+    "stability_map.json": ["benchmarks/stability_map.py"],
+    "stability_map.png": ["benchmarks/stability_map.py"],
+    "stability_ablation.json": ["benchmarks/stability_map.py"],
+    "lisao_demo_seeds.json": ["benchmarks/lisao_demo_seeds.py", "conf"],
+    "kl_guard_replay.json": ["benchmarks/kl_guard_replay.py", "benchmarks/results/stability_map.json"],
 }
 
+
+def _module_path(module: str, repo: Path) -> str | None:
+    """Repository-relative file of an ``async_rl`` module or a benchmark-local module (``_common``), else None."""
+    if module.split(".")[0] == "async_rl":
+        base = Path(PACKAGE_ROOT, *module.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if (repo / candidate).is_file():
+                return candidate.as_posix()
+        return None
+    candidate = Path(BENCHMARKS, f"{module}.py")
+    return candidate.as_posix() if "." not in module and (repo / candidate).is_file() else None
+
+
+def _package_of(path: str) -> str | None:
+    """Dotted package a source file belongs to (for relative imports); None for a benchmark script."""
+    parts = Path(path).with_suffix("").parts
+    if parts[0] != PACKAGE_ROOT:
+        return None
+    return ".".join(parts[1:-1])  # a module's package, or an ``__init__``'s own package
+
+
+@functools.lru_cache(maxsize=None)
+def _direct_imports(path: str, repo: Path) -> frozenset[str]:
+    """The repository files ``path`` imports directly (see the module docstring for what counts)."""
+    tree = ast.parse((repo / path).read_text(), filename=path)
+    package = _package_of(path)
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                if package is None:
+                    continue
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)] if node.level > 1 else anchor
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names.append(base)
+            names.extend(f"{base}.{alias.name}" for alias in node.names)  # ``from pkg import module``
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = _MODULE_LITERAL.fullmatch(node.value)
+            if match:
+                names.append(match.group(1))
+    found: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        # importing a.b.c runs a/__init__, a/b/__init__ and a/b/c
+        for i in range(1, len(parts) + 1):
+            resolved = _module_path(".".join(parts[:i]), repo)
+            if resolved:
+                found.add(resolved)
+    found.discard(path)
+    return frozenset(found)
+
+
+def import_closure(scripts: list[str], repo: Path | None = None) -> set[str]:
+    """Every repository ``.py`` file reachable from ``scripts`` by imports (the scripts included)."""
+    repo = repo or REPO
+    seen: set[str] = set()
+    todo = [s for s in scripts if s.endswith(".py")]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        todo.extend(_direct_imports(path, repo) - seen)
+    return seen
+
+
+def sources(name: str, repo: Path | None = None) -> list[str]:
+    """All paths whose history dates result ``name``: its inputs plus the import closure of its scripts."""
+    inputs = RESULT_INPUTS[name]
+    return sorted(set(inputs) | import_closure(inputs, repo))
+
+
+class ShallowHistory(RuntimeError):
+    pass
+
+
+def require_full_history() -> None:
+    """Raise when the checkout's history is cut (``git clone --depth``): there, the last commit of a result file
+    may be the shallow boundary, and every result would look current."""
+    if _git("rev-parse", "--is-shallow-repository") == "true":
+        raise ShallowHistory("benchmark provenance needs the full git history, and this clone is shallow. "
+                             "Fix: git fetch --unshallow (or clone without --depth).")
 
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True,
@@ -90,7 +170,7 @@ def written_with(name: str) -> list[str]:
     that draws the same pixels leaves the figure's bytes, hence its git history, as they were; the JSON beside it
     (which records the commit) dates both."""
     stem = name.rsplit(".", 1)[0]
-    if name.endswith(".png") and f"{stem}.json" in RESULT_SOURCES:
+    if name.endswith(".png") and f"{stem}.json" in RESULT_INPUTS:
         return [name, f"{stem}.json"]
     return [name]
 
@@ -102,7 +182,7 @@ def commits_since_result(name: str) -> list[str]:
     last = _git("log", "-1", "--format=%H", "--", *(f"benchmarks/results/{n}" for n in written_with(name)))
     if not last:
         return []
-    out = _git("log", "--format=%h", f"{last}..HEAD", "--", *RESULT_SOURCES[name])
+    out = _git("log", "--format=%h", f"{last}..HEAD", "--", *sources(name, REPO))
     return out.split()
 
 
@@ -121,7 +201,8 @@ def listed_stale(readme: Path = Path(__file__).resolve().parent / "README.md") -
 
 def report() -> dict[str, list[str]]:
     """``{result file: commits since it}`` for every stale result."""
-    return {name: c for name in sorted(RESULT_SOURCES) if (RESULTS / name).exists()
+    require_full_history()
+    return {name: c for name in sorted(RESULT_INPUTS) if (RESULTS / name).exists()
             and (c := commits_since_result(name))}
 
 

@@ -2,7 +2,7 @@
 
 Grid: policy loss {dis, dis_clip, ppo_clip} x staleness cap k {0, 2, 4} x actor lr {3e-4, 1e-3} x seeds.
 Every run is LiSAO's single-rollout pipeline (n = 1, separate frozen-attention critic, K = 2 critic passes,
-skip-observation GAE with the length-adaptive λ, whitened advantages; ``_common.ALGO_PRESETS["lisao"]``:
+skip-observation GAE with the length-adaptive λ, whitened advantages; ``_training.ALGO_PRESETS["lisao"]``:
 3 critic warm-up steps, critic lr 1e-3, B = 32, in-flight capacity B) on the asynchronous deterministic
 driver; only the policy loss, the cap and the actor lr change:
 
@@ -20,7 +20,7 @@ response, the mean policy lag, and the per-step series of those.
 Run: ``nice -n 10 .venv/bin/python benchmarks/stability_map.py [--steps 30] [--seeds 0,1,2]
 [--model DIR] [--plot-only]``. ``--model`` reuses an SFT warm start already on disk (e.g. the demo's
 ``outputs/models/tiny-toy_keys/sft``, built with the same tiny-model and SFT defaults as
-``_common.warm_model``); without it the benchmark builds and caches its own. Writes
+``_training.warm_model``); without it the benchmark builds and caches its own. Writes
 benchmarks/results/stability_map.json after every run (``complete: false`` until the last) and
 stability_map.png (three panels: collapse and dip counts, mean final success and mean peak KL per cell).
 ``--workers 2`` trains two runs at once (one process each); ``--resume`` keeps the saved runs and trains the rest,
@@ -36,6 +36,7 @@ import json
 import time
 
 import _common as C
+import _training as T
 from async_rl.run_summary import COLLAPSE_HIGH, COLLAPSE_LOW, COLLAPSE_STEPS, collapse_step
 
 LOSSES = ("dis", "dis_clip", "ppo_clip")
@@ -150,7 +151,7 @@ def one_run(job: tuple) -> dict:
     """Train one grid cell and summarise it (runs in a worker process); ``extra`` = more algorithm overrides."""
     loss, cap, lr, seed, steps, model, *extra = job
     overrides = {"policy_loss": loss, "actor_lr": lr, **(extra[0] if extra else {})}
-    result = C.run_algorithm("lisao", model, label=f"{loss} k={cap} lr={lr:g} seed={seed}", steps=steps, seed=seed,
+    result = T.run_algorithm("lisao", model, label=f"{loss} k={cap} lr={lr:g} seed={seed}", steps=steps, seed=seed,
                              algo_overrides=overrides, driver_overrides={"staleness_cap": cap})
     return {"loss": loss, "staleness_cap": cap, "actor_lr": lr, "seed": seed, "wall_s": result.wall_s,
             "dropped_stale": result.dropped_stale, "derived_from": None, **summarise(result.history)}
@@ -208,7 +209,7 @@ def ablation(args) -> None:
     map's own row for the cell (same seed, same code), read from stability_map.json when it is there."""
     loss, cap, lr, seed = args.ablation.split(",")
     cell = (loss, int(cap), float(lr), int(seed))
-    model = args.model or C.warm_model()
+    model = args.model or T.warm_model()
     payload = {"benchmark": "stability_ablation", "machine": C.machine_info(), **C.git_provenance(),
                "model": str(model), "steps": args.steps, "cell": dict(zip(("loss", "staleness_cap", "actor_lr",
                                                                            "seed"), cell)), "runs": []}
@@ -235,7 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--model", default=None, help="an SFT warm start on disk (default: _common.warm_model())")
+    parser.add_argument("--model", default=None, help="an SFT warm start on disk (default: _training.warm_model())")
     parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument("--workers", type=int, default=1, help="runs trained at once (one process each)")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
@@ -261,13 +262,13 @@ def main() -> None:
         return
     seeds = [int(s) for s in args.seeds.split(",")]
     losses = [s for s in args.losses.split(",") if s]
-    model = args.model or C.warm_model()
+    model = args.model or T.warm_model()
     train, copy = plan(losses, seeds)
     payload = {
         "benchmark": "stability_map", "complete": False, "machine": C.machine_info(), **C.git_provenance(),
         "model": str(model), "steps": args.steps, "seeds": seeds, "losses": losses, "staleness_caps": list(CAPS),
         "actor_lrs": list(LRS), "workers": args.workers,
-        "settings": {"algorithm": "lisao", **C.ALGO_PRESETS["lisao"], "batch": 32, "critic_lr": 1e-3,
+        "settings": {"algorithm": "lisao", **T.ALGO_PRESETS["lisao"], "batch": 32, "critic_lr": 1e-3,
                      "max_inflight_trajectories": 32},
         "collapse_rule": {"reach": COLLAPSE_HIGH, "below": COLLAPSE_LOW, "for_steps": COLLAPSE_STEPS},
         "final_window": FINAL_WINDOW, "trained_runs": len(train), "copied_lag0_cells": len(copy),
