@@ -1,7 +1,9 @@
 """SAPO (one backbone: policy + V + Q) vs PPO with a separate critic: memory and time per iteration.
 
 Same tiny model family, same task (toy_keys), same steps and batch. Each algorithm runs in its own
-subprocess so peak resident memory (ru_maxrss) is per run. Model-state bytes count parameters, gradients
+subprocess, and its peak resident memory is that process's own ``VmHWM`` (/proc/self/status: the high-water mark
+of the address space ``exec`` gave it). ``ru_maxrss`` is not used: a child started by ``subprocess`` keeps the
+maximum of the forked parent's copy across ``exec``, so both arms recorded the parent's peak (issue 35). Model-state bytes count parameters, gradients
 and optimizer states of every *trained* model (SAPO: the policy; PPO: actor + critic); ``all_copies_bytes``
 adds every other copy either method keeps: SAPO's frozen reference policy for the KL term and the rollout
 engine's copy of the policy (parameters and buffers).
@@ -16,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -26,6 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import git_provenance  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _own_peak_rss_bytes() -> int:
+    """This process's peak resident set since its ``exec`` (``VmHWM``), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line (Linux only)")
 
 
 def run_one(algo: str, model_dir: str, steps: int) -> dict:
@@ -76,7 +85,7 @@ def run_one(algo: str, model_dir: str, steps: int) -> dict:
         "rollout_copy_bytes": rollout_bytes,
         "all_copies_bytes": state_bytes + ref_bytes + rollout_bytes,
         "trained_models": len(engines),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": _own_peak_rss_bytes(),
         "train_s_per_iter": sum(step_times[1:]) / max(len(step_times) - 1, 1),  # first step warms up
         "wall_s_per_iter": wall / steps,
         "final_success": sum(m["train/success_rate"] for m in history[-5:]) / 5,

@@ -407,16 +407,23 @@ def test_synchronous_baseline_is_on_policy(tiny_model):
 
 def test_idle_fractions_mean_the_same_in_both_schedulers(tiny_model):
     """``perf/*_idle_frac`` are fractions of real time in both schedulers; the simulated clock's own fractions
-    are ``sim/*_idle_frac``, logged by the deterministic scheduler only and equal to its tick counts."""
+    are ``sim/*_idle_frac``, logged by the deterministic scheduler only.
+
+    Counted by hand for the synchronous baseline with ``update_ticks=2`` (``_build``): an update holds the
+    trainer for exactly 2 ticks, during which the rollout is blocked, and every other tick generates (the round
+    launches in the tick after the publication, and the batch is taken in the tick after its last trajectory
+    ends). Step k's metrics are recorded when its batch is taken, before that tick's work: the trainer has been
+    busy for the (k - 1) earlier updates, 2 (k - 1) ticks, and the rollout for all the other ticks so far."""
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
-    deterministic = _build(tiny_model, algo, steps=3)
-    seen = []  # the tick counters at the moment each step's metrics were recorded
-    deterministic.on_step = lambda m: seen.append((m, deterministic.stats.ticks, deterministic.stats.trainer_busy_ticks,
-                                                   deterministic.stats.rollout_busy_ticks))
-    last = deterministic.run()[-1]
-    for metrics, ticks, trainer_busy, rollout_busy in seen:
-        assert metrics["sim/trainer_idle_frac"] == 1.0 - trainer_busy / max(ticks, 1)
-        assert metrics["sim/rollout_idle_frac"] == 1.0 - rollout_busy / max(ticks, 1)
+    deterministic = _build(tiny_model, algo, steps=3, synchronous=True)
+    history = deterministic.run()
+    for k, metrics in enumerate(history, start=1):
+        ticks = metrics["async/clock_ticks"]
+        trainer_busy = 2 * (k - 1)
+        assert ticks > trainer_busy  # each round generates for at least one tick
+        assert metrics["sim/trainer_idle_frac"] == pytest.approx(1.0 - trainer_busy / ticks, abs=1e-12)
+        assert metrics["sim/rollout_idle_frac"] == pytest.approx(trainer_busy / ticks, abs=1e-12)
+    last = history[-1]
     # one process, training and generating in turn: the two real-time busy shares cannot exceed the wall time
     assert (1 - last["perf/trainer_idle_frac"]) + (1 - last["perf/rollout_idle_frac"]) <= 1.0 + 1e-6
     concurrent = _build_concurrent(tiny_model, algo, steps=3, max_inflight_trajectories=8)

@@ -489,6 +489,8 @@ def test_one_healthy_trajectory_resets_the_run_of_failures(release):
 @pytest.mark.parametrize("done, info, accepted", [
     (True, {}, True), (False, {"success": True}, True), (1, {"invalid_action": 0}, True),
     (__import__("numpy").bool_(True), {"success": __import__("numpy").bool_(False)}, True),
+    (__import__("numpy").int64(1), {"success": __import__("numpy").int32(0)}, True),  # numpy integers 0/1
+    (__import__("numpy").int64(2), {}, False), (1.0, {}, False),  # another integer, or a float
     ("no", {}, False),  # a non-empty string reads as true: the episode would end as if the env said so
     (__import__("numpy").array([True, False]), {}, False),  # bool() of it raises inside the driver
     (2, {}, False), (None, {}, False),

@@ -10,8 +10,9 @@ over ``algorithm.kl_warn_threshold`` and logs ``actor/kl_warning`` (1 over, 0 un
 For the DIS losses a step counts as over only if ``actor/dis_kept_kl``, the KL on the tokens inside the band,
 also exceeds ``algorithm.kl_warn_kept_threshold``: ``actor/ppo_kl`` counts the masked tokens too, and a few
 whose probability collapsed can push it over the threshold while the band gives them no gradient (the demo's
-Li2SAO run: ``actor/ppo_kl`` 0.169 with 0.011 inside the band, no dip). In the stability map this rule warned
-on both DIS runs that dipped and on no run at actor lr 3e-4.
+Li2SAO run: ``actor/ppo_kl`` 0.169 with 0.011 inside the band, no dip). Replayed on the stability map of
+47f8814 (benchmarks/results/kl_guard_replay.json), this rule warned before 5 of the 7 dips and on no run at
+actor lr 3e-4.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import importlib
 import math
+import numbers
 import threading
 import time
 import traceback
@@ -539,11 +540,12 @@ _FLAG_INFO_KEYS = ("invalid_action", "success", "tool_executed")
 
 
 def _is_flag(value: Any) -> bool:
-    """A bool, numpy's bool, or the integers 0 and 1 (what envs written against gym-style APIs return); a string
-    like "no" or an array would be read as true or raise, so it aborts the trajectory instead."""
+    """A bool, numpy's bool, or an integer 0 or 1 of any integer type (``int``, ``np.int64``: what envs written
+    against gym-style APIs return); a string like "no", a float or an array would be read as true or raise, so it
+    aborts the trajectory instead."""
     if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
         return True
-    return isinstance(value, int) and value in (0, 1)
+    return isinstance(value, numbers.Integral) and value in (0, 1)
 
 
 def _failure(what: str, finished: bool, error: BaseException | None, timeout_s: float | None,
