@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from async_rl.engine.settings import TrainingSettings
-from async_rl.models.loading import ATTN_IMPLEMENTATIONS, check_attn_implementation, load_causal_lm
+from async_rl.models.loading import load_causal_lm
+from async_rl.validation import ATTN_IMPLEMENTATIONS, check_attn_implementation
 
 
 def _flash_attn_installed(monkeypatch, installed: bool) -> None:

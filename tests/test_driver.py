@@ -213,8 +213,8 @@ def test_a_bootstrap_batch_of_single_survivors_uses_gae_not_zero_group_advantage
 
     driver = _build(tiny_model, _li2sao(t_max=100), steps=1, max_inflight_trajectories=8)
     used, advantages = [], []
-    real_get = learner_module.get_estimator
-    monkeypatch.setattr(learner_module, "get_estimator", lambda name: (used.append(name), real_get(name))[1])
+    real_get = learner_module.get_adv_estimator_fn
+    monkeypatch.setattr(learner_module, "get_adv_estimator_fn", lambda name: (used.append(name), real_get(name))[1])
     real_update = driver.learner.actor.update
 
     def update(batch, adv, *args, **kwargs):
@@ -233,9 +233,9 @@ def test_a_bootstrap_batch_of_single_survivors_uses_gae_not_zero_group_advantage
         return out
 
     driver.learner.train_step(batch([1] * 8))  # aborts left one member of each group of 4
-    assert used[-1] == "gae" and float(advantages[-1].abs().max()) > 0
+    assert used[-1] == "sao_gae" and float(advantages[-1].abs().max()) > 0
     driver.learner.train_step(batch([2] + [1] * 6))  # one group still has two members
-    assert used[-1] == "li2sao_bootstrap"
+    assert used[-1] == "li2sao_group"
 
 
 def test_driver_config_errors():

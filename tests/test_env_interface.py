@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -13,8 +12,6 @@ from async_rl.envs import (
     EnvAborted,
     MathEnv,
     StepResult,
-    arun_env_reset,
-    arun_env_step,
     make_env,
     register_env,
     registered_env_names,
@@ -128,55 +125,6 @@ def test_invalid_timeout_is_rejected():
         run_env_step(EchoEnv(), "x", timeout_s=0)
 
 
-# ---------------------------------------------------------------------------------------------- async variants
-
-
-def test_async_step_normal_raise_and_timeout_without_blocking_the_loop():
-    async def scenario():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticking = asyncio.create_task(ticker())
-        echo = EchoEnv()
-        assert (await arun_env_reset(echo, {"prompt": "p", "answer": "a"}, timeout_s=5)).unwrap() == "say the word: p"
-        normal = await arun_env_step(echo, "a", timeout_s=5)
-        raised = await arun_env_step(RaisingEnv(), "a", timeout_s=5)
-        started, ticks_before = time.monotonic(), ticks
-        hung = await arun_env_step(SleepingEnv(sleep_s=10), "a", timeout_s=0.3)
-        hung_elapsed = time.monotonic() - started
-        ticks_during_hang = ticks - ticks_before
-        ticking.cancel()
-        return normal, raised, hung, hung_elapsed, ticks_during_hang
-
-    normal, raised, hung, hung_elapsed, ticks = asyncio.run(scenario())
-    assert not normal.aborted and normal.result.reward == 1.0
-    assert raised.aborted and "boom" in raised.error
-    assert hung.aborted and hung.timed_out and hung_elapsed < 0.3 + 3.0
-    # a blocked event loop would tick 0 times during the hang (unloaded: ~30; a loaded machine stretches sleeps)
-    assert ticks >= 2, "the event loop was blocked while the env step ran"
-
-
-def test_async_step_with_explicit_executor():
-    from concurrent.futures import ThreadPoolExecutor
-
-    async def scenario(pool):
-        env = EchoEnv()
-        env.reset({"prompt": "p", "answer": "a"})
-        return await arun_env_step(env, "a", timeout_s=5, executor=pool), await arun_env_step(
-            SleepingEnv(sleep_s=2.0), "a", timeout_s=0.2, executor=pool
-        )
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        ok, hung = asyncio.run(scenario(pool))
-    assert ok.result.reward == 1.0
-    assert hung.aborted and hung.timed_out
-
-
 # ---------------------------------------------------------------------------------------------- registry
 
 
@@ -258,22 +206,22 @@ def test_step_runs_on_another_thread():
     assert seen and seen[0] is not threading.current_thread()
 
 
-def test_async_steps_run_on_the_reused_default_pool_workers():
+def test_steps_run_on_the_reused_default_pool_workers():
     from async_rl.envs.base import default_env_pool
 
     class NamingEnv(EchoEnv):
         def step(self, action_text):
             return StepResult(threading.current_thread().name, 0.0, False)
 
-    async def scenario():
+    def scenario():
         env = NamingEnv()
-        return [(await arun_env_step(env, "a", timeout_s=5)).result.observation for _ in range(50)]
+        return [run_env_step(env, "a", timeout_s=5).result.observation for _ in range(50)]
 
-    asyncio.run(scenario())  # warm the pool up
+    scenario()  # warm the pool up
     started = default_env_pool()._started_threads
-    names = asyncio.run(scenario())
+    names = scenario()
     assert all(name.startswith("env-call-default") for name in names)
-    # 50 awaited steps start no thread per call; at most a couple more workers may be woken when earlier
+    # 50 steps start no thread per call; at most a couple more workers may be woken when earlier
     # tests left hung calls occupying some (the pool wakes extra workers for calls stuck behind them)
     assert default_env_pool()._started_threads - started <= 2
 

@@ -73,3 +73,66 @@ def test_no_import_cycle_in_async_rl():
     graph = import_graph()
     assert "async_rl.rollout.replica" in graph["async_rl.rollout.replicas"]  # the graph sees real edges
     assert cycles(graph) == []
+
+
+# Packages (and top-level modules) from the bottom up, in the direction data flows: env -> rollout -> buffer ->
+# batch -> advantages -> update -> weights back to the rollout. A package may import only packages of lower
+# layers; the top layer (entry points, assembly, reporting) may also import its own members. `models` sits above
+# `envs` because the SFT warm start (models/sft.py) trains on the envs' demonstrations; `engine` below `models`
+# because the log-prob kernels run inside the engine's precision root.
+LAYERS: list[set[str]] = [
+    {"algos"},  # pure tensor equations (spec)
+    {"validation"},  # config rules
+    {"config"},
+    {"sandbox"},
+    {"rewards"},
+    {"data"},
+    {"envs"},
+    {"engine"},
+    {"models"},
+    {"rollout"},
+    {"verl_plugin"},  # registers algos' functions (and, lazily, the hf rollout replica) in verl's registries
+    {"workers"},
+    {"driver"},
+    {"tracking", "run_summary", "plots", "eval", "train"},
+]
+
+
+def package_of(module: str) -> str:
+    """``async_rl.driver.batch`` -> ``driver``; ``async_rl.train`` -> ``train``; ``async_rl`` -> ``async_rl``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layering_violations(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    layer_of = {pkg: i for i, members in enumerate(layers) for pkg in members}
+    top = len(layers) - 1
+    bad = []
+    for module, targets in sorted(graph.items()):
+        src = package_of(module)
+        for target in sorted(targets):
+            dst = package_of(target)
+            if src == dst or src == "async_rl" or dst == "async_rl":
+                continue  # within a package the module-level cycle test applies; the root __init__ only registers
+            if src not in layer_of or dst not in layer_of:
+                bad.append(f"{module} -> {target}: package {src if src not in layer_of else dst!r} has no layer")
+            elif layer_of[dst] > layer_of[src] or (layer_of[dst] == layer_of[src] and layer_of[src] != top):
+                bad.append(f"{module} -> {target}: {src} imports {dst}, a package above it")
+    return bad
+
+
+def test_the_layering_checker_finds_a_back_arrow():
+    graph = {"async_rl.engine.settings": {"async_rl.models.loading"}, "async_rl.models.logprobs": {"async_rl.engine.x"}}
+    assert layering_violations(graph, [{"engine"}, {"models"}]) == [
+        "async_rl.engine.settings -> async_rl.models.loading: engine imports models, a package above it"]
+    assert layering_violations({"async_rl.a.x": {"async_rl.b.y"}}, [{"a", "b"}, {"c"}]) != []  # peers below the top
+    assert layering_violations({"async_rl.a.x": {"async_rl.b.y"}}, [{"c"}, {"a", "b"}]) == []  # peers at the top
+
+
+def test_packages_import_only_packages_below_them():
+    """The package-level rule that a module-level cycle test cannot see (issue 35): engine <-> models and
+    workers -> driver were package cycles without any module cycle."""
+    graph = import_graph()
+    packages = {package_of(m) for m in graph} - {"async_rl"}
+    assert packages == set().union(*LAYERS), "every package and top-level module has a layer"
+    assert layering_violations(graph, LAYERS) == []

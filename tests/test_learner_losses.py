@@ -112,37 +112,59 @@ def test_train_step_reports_publication_and_the_gate_as_fields_not_metrics():
 
 
 def test_the_learner_takes_its_estimator_from_the_registry_by_plan():
-    """Every algorithm's plan names registered estimators; a plan swapped to another estimator changes what the
-    actor receives (the Learner reads the registry, it does not branch on the algorithm's name)."""
-    import pytest
+    """Every algorithm's plan names estimators registered in verl; a plan swapped to another registered name
+    changes what the actor receives (the Learner looks the name up in verl's registry and calls it with the
+    batch as keyword arguments; it does not branch on the algorithm's name)."""
+    from verl.trainer.ppo import core_algos
 
-    from async_rl.driver import estimators
+    from async_rl import config as plans
+    from async_rl.algos.estimate import AdvantageEstimate
 
-    for name, plan in estimators.ALGORITHM_PLANS.items():
-        if not plan.shared_backbone:
-            assert plan.grouped_estimator in estimators.ESTIMATORS and plan.single_estimator in estimators.ESTIMATORS
-    with pytest.raises(ValueError, match="no estimator 'nope'; registered: gae, grpo_group, li2sao_bootstrap"):
-        estimators.get_estimator("nope")
-    with pytest.raises(RuntimeError, match="registered twice"):
-        estimators.register_estimator("gae")(lambda *a: None)
+    for name, plan in plans.ALGORITHM_PLANS.items():
+        for estimator in (plan.grouped_estimator, plan.single_estimator):
+            assert callable(core_algos.get_adv_estimator_fn(estimator)), (name, estimator)
 
     seen = []
 
-    def constant(batch, old_values, group_ids, cfg):
-        seen.append(group_ids)
-        return estimators.Estimate(torch.full(batch["responses"].shape, 7.0) * batch["response_mask"])
+    def constant(token_level_rewards, response_mask, index=None, values=None, config=None, **batch_fields):
+        seen.append((list(index), values, sorted(batch_fields)))
+        advantages = torch.full(token_level_rewards.shape, 7.0) * response_mask
+        return AdvantageEstimate(advantages, advantages)
 
-    estimators.ESTIMATORS["test_constant"] = constant
-    original = estimators.ALGORITHM_PLANS["grpo"]
+    core_algos.ADV_ESTIMATOR_REGISTRY["test_constant"] = constant
+    original = plans.ALGORITHM_PLANS["grpo"]
     try:
-        estimators.ALGORITHM_PLANS["grpo"] = estimators.AlgorithmPlan("test_constant", "test_constant")
+        plans.ALGORITHM_PLANS["grpo"] = plans.AlgorithmPlan("test_constant", "test_constant", needs_groups=True)
         actor = RecordingActor()
         cfg = AlgorithmConfig(name="grpo", group_size=2, train_batch_trajectories=2)
         Learner(cfg, actor, None, pad_token_id=0).train_step([_traj(0, "g", 1.0, 2, 2), _traj(1, "g", 0.0, 2, 2)])
-        assert seen == [["g", "g"]] and float(actor.calls[0]["advantages"].max()) == 7.0
+        assert seen == [(["g", "g"], None, ["response_attention", "responses", "scores"])]
+        assert float(actor.calls[0]["advantages"].max()) == 7.0
     finally:
-        estimators.ALGORITHM_PLANS["grpo"] = original
-        del estimators.ESTIMATORS["test_constant"]
+        plans.ALGORITHM_PLANS["grpo"] = original
+        del core_algos.ADV_ESTIMATOR_REGISTRY["test_constant"]
+
+
+def test_an_estimator_that_returns_a_plain_tuple_is_refused_by_the_trainer():
+    """Stock verl estimators return ``(advantages, returns)``; the trainer also needs the critic's side, so it
+    names the problem instead of failing on a missing attribute."""
+    import pytest
+    from verl.trainer.ppo import core_algos
+
+    from async_rl import config as plans
+
+    core_algos.ADV_ESTIMATOR_REGISTRY["test_plain"] = lambda token_level_rewards, response_mask, **kw: (
+        token_level_rewards, token_level_rewards)
+    original = plans.ALGORITHM_PLANS["grpo"]
+    try:
+        plans.ALGORITHM_PLANS["grpo"] = plans.AlgorithmPlan("test_plain", "test_plain", needs_groups=True)
+        cfg = AlgorithmConfig(name="grpo", group_size=2, train_batch_trajectories=2)
+        with pytest.raises(TypeError, match="AdvantageEstimate"):
+            Learner(cfg, RecordingActor(), None, pad_token_id=0).train_step(
+                [_traj(0, "g", 1.0, 2, 2), _traj(1, "g", 0.0, 2, 2)])
+    finally:
+        plans.ALGORITHM_PLANS["grpo"] = original
+        del core_algos.ADV_ESTIMATOR_REGISTRY["test_plain"]
 
 
 def test_li2sao_plan_switches_estimator_and_loss_with_the_phase():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from async_rl.driver.batch import collate
+from async_rl.driver.batch import collate, turn_tensors
 from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.engine import FSDPEngine, MicroBatchPlan, OptimizerConfig, TrainingSettings, dist
 from async_rl.engine.precision import bf16_supported
@@ -197,7 +197,7 @@ def test_sapo_chunked_readouts_equal_the_full_logits_path(tiny_dir):
 
 def _captured_update(role, batch, trajs):
     """SapoRole.update with the gradients read just before the optimizer step."""
-    turns = role.turn_tensors(trajs)
+    turns = turn_tensors(trajs)
     targets = role.compute_targets(batch, turns)
     batch = {**batch, "behaviour_log_probs": targets["old_log_probs"] - 0.05 * batch["response_mask"]}
     captured = {}

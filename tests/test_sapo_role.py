@@ -290,7 +290,7 @@ def test_targets_match_hand_computation(tiny_dir, tokenizer, reserved, monkeypat
     trajs = two_trajectories()
     trajs[0].turn_invalid = [False, True, False]
     batch = collate(trajs, tokenizer.pad_token_id)
-    turns = role.turn_tensors(trajs)
+    turns = turn_tensors(trajs)
     v_old = torch.tensor([[0.2, 0.5, -0.1], [0.1, 0.3, 0.0]])
     q_old = torch.tensor([[0.3, 0.4, 0.6], [0.2, 0.1, 0.0]])
     readout_mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
@@ -349,7 +349,7 @@ def test_value_loss_is_a_mean_over_turns_not_tokens(tiny_dir, tokenizer, reserve
     def v_loss(traj, micro_batch_size=None, rows=1):
         role.micro_batch_size = micro_batch_size
         batch = on_policy(role, [traj] * rows, tokenizer.pad_token_id)
-        turns = role.turn_tensors([traj] * rows)
+        turns = turn_tensors([traj] * rows)
         tg = role.compute_targets(batch, turns)
         tg["y_v"] = y_v.expand(rows, 2).clone()
         metrics = role.update(batch, turns, tg, kl_coef=0.0)
@@ -374,7 +374,7 @@ def test_update_changes_weights_and_lowers_the_joint_loss(tiny_dir, tokenizer, r
     assert role.ref_model is not None
     trajs = two_trajectories()
     batch = on_policy(role, trajs, tokenizer.pad_token_id)
-    turns = role.turn_tensors(trajs)
+    turns = turn_tensors(trajs)
     tg = role.compute_targets(batch, turns)
     assert "ref_log_probs" in tg
     before = role.export_weights()
@@ -399,7 +399,7 @@ def test_model_token_equal_to_a_reserved_id_is_rejected(tiny_dir, tokenizer, res
     bad = trajectory("x", [11, 12], [([40, reserved[0]], None)])
     batch = collate([bad], tokenizer.pad_token_id)
     with pytest.raises(ValueError, match="must ban"):
-        role.compute_targets(batch, role.turn_tensors([bad]))
+        role.compute_targets(batch, turn_tensors([bad]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -427,7 +427,7 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: s
         n = 4 // world_size
         trajs = four_trajectories()[rank * n:(rank + 1) * n]
         batch = on_policy(role, trajs, tokenizer.pad_token_id)
-        turns = role.turn_tensors(trajs)
+        turns = turn_tensors(trajs)
         targets = role.compute_targets(batch, turns)
         metrics = role.update(batch, turns, targets, c_h=0.01)
         weights = role.export_weights()

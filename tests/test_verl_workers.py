@@ -310,7 +310,8 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
 
     from async_rl.models.loading import load_tokenizer
     from async_rl.workers.placement import _group, _pool
-    from async_rl.workers.sapo import SapoRole, resolve_reserved_ids, turn_tensors
+    from async_rl.driver.batch import turn_tensors
+    from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
     from async_rl.workers.verl_workers import SapoWorker, batch_to_proto, metrics_from_proto
 
     batch, _ = training_batch(seed=3, n=4)

@@ -14,7 +14,54 @@ from async_rl.algos.dis import DIS_HIGH, DIS_LOW
 from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW, LOSS_AGG_MODES
 from async_rl.validation import ConfigError, check_dataclass, dataclass_from_mapping
 
-ALGORITHMS = ("grpo", "lisao", "li2sao", "ppo", "sapo")
+# ----------------------------------------------------------------------------------------------------
+# The one algorithm table: which registered estimator and policy loss each algorithm trains with (spec §2-§5).
+# The names are entries of verl's registries (get_adv_estimator_fn / get_policy_loss_fn; ours are added by
+# async_rl.verl_plugin). The trainer looks a run's plan up by algorithm.name and branches on the plan's fields,
+# never on the name; validate() below reads the same fields. A new algorithm is a module with its estimator, its
+# registration (the estimator in verl's registry and register_plan here) and a conf/algorithm/<name>.yaml
+# (docs/algorithms.md, "Adding an algorithm"). Plain Python: the CLI checks configs before torch loads.
+# ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AlgorithmPlan:
+    """What the trainer runs for one algorithm."""
+
+    grouped_estimator: str  # verl estimator name for batches of prompt groups (group_size > 1)
+    single_estimator: str  # verl estimator name for batches of one rollout per prompt
+    trains_critic: bool = False  # a separate critic model is trained (algorithm.use_critic must say so)
+    needs_groups: bool = False  # the estimator compares responses within a prompt group: group_size >= 2
+    gated: bool = False  # a readiness gate decides one switch to single rollout (Li2SAO, spec §4)
+    bootstrap_loss: Optional[str] = None  # verl policy loss before the switch; None = algorithm.policy_loss
+    single_loss: Optional[str] = None  # verl policy loss after it; None = algorithm.policy_loss
+    shared_backbone: bool = False  # SAPO: policy, V and Q in one model, trained by its own joint loss (spec §5)
+
+
+ALGORITHM_PLANS: dict[str, AlgorithmPlan] = {
+    "grpo": AlgorithmPlan("grpo_group", "grpo_group", needs_groups=True),
+    "lisao": AlgorithmPlan("sao_gae", "sao_gae", trains_critic=True),
+    "li2sao": AlgorithmPlan("li2sao_group", "sao_gae", trains_critic=True, needs_groups=True, gated=True,
+                            bootstrap_loss="dis_clip", single_loss="dis"),
+    "ppo": AlgorithmPlan("sao_gae", "sao_gae", trains_critic=True),
+    "sapo": AlgorithmPlan("sapo_turn", "sapo_turn", shared_backbone=True),
+}
+
+
+def register_plan(name: str, plan: AlgorithmPlan) -> None:
+    """Add an algorithm; a name is registered once (re-registering the same plan is a no-op)."""
+    existing = ALGORITHM_PLANS.get(name)
+    if existing is not None and existing != plan:
+        raise ValueError(f"algorithm {name!r} already has a plan ({existing}); choose another name")
+    ALGORITHM_PLANS[name] = plan
+
+
+def plan_for(name: str) -> AlgorithmPlan:
+    """The plan of ``algorithm.name``; an unknown name lists the valid ones."""
+    if name not in ALGORITHM_PLANS:
+        raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(ALGORITHM_PLANS)}")
+    return ALGORITHM_PLANS[name]
+
+
+ALGORITHMS = tuple(ALGORITHM_PLANS)  # the built-in algorithms (register_plan adds more at run time)
 POLICY_LOSSES = ("ppo_clip", "dis", "dis_clip", "vanilla")  # vanilla: verl's clipped loss with dual clip (ablation)
 
 # Allowed range of every numeric field (dotted names for nested configs), checked by validate() together
@@ -70,7 +117,7 @@ class GateConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # one of ALGORITHMS
+    name: str = "grpo"  # a registered algorithm (ALGORITHM_PLANS): grpo, lisao, li2sao, ppo, sapo
     train_batch_trajectories: int = 128  # B, trajectories per optimizer batch (spec §1)
     group_size: int = 8  # n, responses per prompt (GRPO 8, LiSAO 1, Li2SAO bootstrap n_b = 8)
     gamma: float = 1.0  # γ of GAE (spec §3) and of the Li2SAO bootstrap return Ĝ (spec §4); GRPO reads none
@@ -124,8 +171,7 @@ class AlgorithmConfig:
                 not all(isinstance(t, str) and t for t in self.sapo_reserved_tokens):
             raise ConfigError(f"algorithm.sapo_reserved_tokens={self.sapo_reserved_tokens}: must be two distinct "
                               "non-empty token strings (w+, w-)")
-        if self.name not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.name!r}; valid choices: {', '.join(ALGORITHMS)}")
+        plan = plan_for(self.name)  # an unknown name lists the valid ones
         if self.group_size < 1 or self.train_batch_trajectories < 1:
             raise ValueError("group_size and train_batch_trajectories must be >= 1")
         if self.train_batch_trajectories % self.group_size:
@@ -133,9 +179,9 @@ class AlgorithmConfig:
                 f"train_batch_trajectories (B={self.train_batch_trajectories}) must be divisible by "
                 f"group_size (n={self.group_size}): a batch holds whole prompt groups"
             )
-        if self.name in ("grpo", "li2sao") and self.group_size < 2:
+        if plan.needs_groups and self.group_size < 2:
             raise ValueError(f"{self.name} needs group_size >= 2 (paper: 8)")
-        if self.name in ("lisao", "li2sao", "ppo") and not self.use_critic:
+        if plan.trains_critic and not self.use_critic:
             raise ValueError(f"{self.name} trains a critic: set use_critic=true")
         if not (0 < self.dis.low < 1 < self.dis.high):
             raise ValueError(f"DIS interval must contain 1, got ({self.dis.low}, {self.dis.high})")
@@ -144,7 +190,7 @@ class AlgorithmConfig:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"algorithm.loss_agg_mode={self.loss_agg_mode!r}; valid choices: "
                              f"{', '.join(LOSS_AGG_MODES)}")
-        if self.name in ("grpo", "sapo") and self.use_critic:
+        if not plan.trains_critic and self.use_critic:
             raise ConfigError(f"algorithm.use_critic=true: {self.name} trains no separate critic; set "
                               "algorithm.use_critic=false")
         for key, (allowed, why) in unread_keys(self).items():

@@ -21,14 +21,14 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from async_rl.config import plan_for
 from async_rl.config import AlgorithmConfig, algorithm_config_from_dict
 from async_rl.driver.checkpoint import CheckpointError, list_checkpoints
 from async_rl.driver.driver import DriverConfig
 from async_rl.driver.episode import EpisodeLimits
-from async_rl.models.loading import check_attn_implementation
 from async_rl.rollout.client import ReplicaSettings
-from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,
-                                 check_value, first_line)
+from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_attn_implementation, check_env, check_model,
+                                 check_trainer, check_value, first_line)
 
 REPO_CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -196,7 +196,7 @@ def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_di
 
     actor = driver.learner.actor
     reserved = None
-    if algo.name == "sapo":
+    if plan_for(algo.name).shared_backbone:  # SAPO: the reserved value ids go with the exported model
         reserved = getattr(actor, "reserved_ids", None)
         if reserved is None:  # a remote SAPO actor: the ids follow from the tokenizer, as in its workers
             from async_rl.models.loading import load_tokenizer

@@ -386,10 +386,35 @@ TRAINER_RULES: dict[str, Rule] = {
 }
 
 # ``model.attn_implementation``: the attention kernels of the trained models (transformers' names), checked in
-# full (flash-attn installed, CUDA, bf16) by ``models.loading.check_attn_implementation``. sdpa is PyTorch's own
+# full (flash-attn installed, CUDA, bf16) by :func:`check_attn_implementation`. sdpa is PyTorch's own
 # (CPU and GPU, any dtype); flash_attention_2 needs the optional flash-attn package, a CUDA GPU and half-precision
 # compute; eager is the reference implementation (slow, for debugging).
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+
+FLASH_ATTN_INSTALL = ("pip install flash-attn --no-build-isolation (a wheel must match your CUDA and torch; "
+                      "see docs/engine.md)")
+
+
+def check_attn_implementation(name: str, device: str = "cpu", precision: str = "fp32") -> str:
+    """Return ``name`` if the trained models can use it here; otherwise raise a one-line ``ValueError``
+    naming the fix (the install line for flash-attn, or the setting to change)."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"model.attn_implementation={name!r}; valid choices: {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if name != "flash_attention_2":
+        return name
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                         f"installed: {FLASH_ATTN_INSTALL}; or use model.attn_implementation=sdpa")
+    if not str(device).startswith("cuda"):
+        raise ValueError(f"model.attn_implementation=flash_attention_2 runs on CUDA GPUs only (device {device}); "
+                         "use model.attn_implementation=sdpa")
+    if precision != "bf16":
+        raise ValueError(f"model.attn_implementation=flash_attention_2 needs half-precision compute "
+                         f"(trainer.precision={precision}); set trainer.precision=bf16 or use sdpa")
+    return name
+
 
 MODEL_RULES: dict[str, Rule] = {
     "dir": Rule("str", non_empty=True),

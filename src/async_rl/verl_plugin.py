@@ -1,12 +1,13 @@
 """Register our estimators and policy losses in verl's registries (:func:`register`).
 
 Loaded by ``import async_rl`` and by verl itself through the ``verl.plugins`` entry point, so Ray workers
-of stock verl see the names too; an entry verl had is never overwritten. Advantage estimators:
-``sao_gae`` (LiSAO, spec §3), ``li2sao_group`` (Li2SAO, spec §4), ``sapo_turn`` (SAPO, spec §5). Policy
-losses: ``ppo_clip`` (Eq. 1, no dual clip), ``dis`` (spec §3), ``dis_clip`` (spec §4), ``sapo_ar`` (spec §5;
-verl's own ``sapo`` is another algorithm). Rollout replica: ``hf``, loaded lazily. ``sao_gae`` and
-``sapo_turn`` need critic values / turn tensors that verl's ``compute_advantage`` never passes: our driver
-calls them with those.
+of stock verl see the names too; an entry verl had is never overwritten. Advantage estimators (the functions
+live in :mod:`async_rl.algos`; our trainer calls them through verl's registry, by the names of
+:data:`async_rl.config.ALGORITHM_PLANS`): ``grpo_group`` (GRPO, spec §2), ``sao_gae`` (LiSAO, PPO, Li2SAO after the switch,
+spec §3), ``li2sao_group`` (Li2SAO, spec §4), ``sapo_turn`` (SAPO, spec §5). Policy losses: ``ppo_clip``
+(Eq. 1, no dual clip), ``dis`` (spec §3), ``dis_clip`` (spec §4), ``sapo_ar`` (spec §5; verl's own ``sapo`` is
+another algorithm). Rollout replica: ``hf``, loaded lazily. ``sao_gae`` and ``sapo_turn`` need critic values /
+turn tensors that verl's ``compute_advantage`` never passes: our driver calls them with those.
 
 Details: docs/algorithms.md (Registration in verl; "Critic values in verl").
 """
@@ -20,8 +21,10 @@ import torch
 from verl.trainer.ppo import core_algos
 
 from async_rl.algos.dis import dis_policy_loss
-from async_rl.algos.gae import sao_gae
-from async_rl.algos.li2sao import li2sao_advantage
+from async_rl.algos.estimate import config_value
+from async_rl.algos.gae import sao_gae_estimator
+from async_rl.algos.grpo import grpo_group_estimator
+from async_rl.algos.li2sao import li2sao_group_estimator
 from async_rl.algos.policy import LOSS_AGG_MODES, clipped_policy_loss
 from async_rl.algos.sapo import (
     broadcast_turns_to_tokens,
@@ -30,73 +33,13 @@ from async_rl.algos.sapo import (
     sapo_targets,
 )
 
-ADV_ESTIMATOR_NAMES = ("sao_gae", "li2sao_group", "sapo_turn")
+ADV_ESTIMATOR_NAMES = ("grpo_group", "sao_gae", "li2sao_group", "sapo_turn")
 POLICY_LOSS_NAMES = ("ppo_clip", "dis", "dis_clip", "sapo_ar")
-
-
-def _cfg(config: Any, key: str, default: Any) -> Any:
-    """Read ``key`` from a verl dataclass config, a DictConfig, a dict or None."""
-    if config is None:
-        return default
-    if isinstance(config, dict):
-        return config.get(key, default)
-    getter = getattr(config, "get", None)
-    if callable(getter):
-        try:
-            value = getter(key, default)
-            return default if value is None else value
-        except Exception:  # some verl configs raise on unknown keys
-            pass
-    return getattr(config, key, default)
 
 
 # ----------------------------------------------------------------------------------------------------
 # advantage estimators
 # ----------------------------------------------------------------------------------------------------
-def compute_sao_gae_advantage_return(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: Optional[torch.Tensor] = None,
-    config: Any = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl wrapper of :func:`async_rl.algos.gae.sao_gae`; shapes ``(bs, response_length)``.
-
-    Config keys read: ``gamma`` (1.0), ``sao_alpha`` (α = 1.5), ``sao_whiten`` (True).
-    """
-    if values is None:
-        raise ValueError(
-            "sao_gae needs critic values, but verl's compute_advantage does not pass them to registered "
-            "estimators. Call it as get_adv_estimator_fn('sao_gae')(token_level_rewards=..., "
-            "response_mask=..., values=data.batch['values'], config=...), as async_rl's driver does."
-        )
-    return sao_gae(
-        token_level_rewards, values, response_mask,
-        alpha=float(_cfg(config, "sao_alpha", 1.5)),
-        gamma=float(_cfg(config, "gamma", 1.0)),
-        whiten=bool(_cfg(config, "sao_whiten", True)),
-    )
-
-
-def compute_li2sao_group_advantage_return(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index=None,
-    values: Optional[torch.Tensor] = None,
-    config: Any = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl wrapper of :func:`async_rl.algos.li2sao.li2sao_advantage`.
-
-    ``index`` (verl's ``uid``) groups responses of one prompt. With groups larger than one the group
-    advantage is used and no values are needed; a batch of singletons (after the switch) needs ``values``.
-    """
-    if index is None:
-        raise ValueError("li2sao_group needs `index` (verl's non_tensor_batch['uid']) to form prompt groups")
-    return li2sao_advantage(token_level_rewards, response_mask, index, values=values,
-                            alpha=float(_cfg(config, "sao_alpha", 1.5)), gamma=float(_cfg(config, "gamma", 1.0)))
-
-
 def compute_sapo_turn_advantage_return(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -122,9 +65,9 @@ def compute_sapo_turn_advantage_return(
             "Use async_rl's SAPO worker, or call this function with those keyword arguments."
         )
     adv, y_v, _ = sapo_targets(turn_rewards, old_turn_values, old_turn_q_values, turn_dones, turn_mask,
-                               gamma=float(_cfg(config, "gamma", 1.0)), lam=float(_cfg(config, "lam", 0.95)))
+                               gamma=float(config_value(config, "gamma", 1.0)), lam=float(config_value(config, "lam", 0.95)))
     norm = normalise_turn_advantages(adv, turn_mask, invalid_action,
-                                     invalid_penalty=float(_cfg(config, "sapo_invalid_penalty", 0.0)))
+                                     invalid_penalty=float(config_value(config, "sapo_invalid_penalty", 0.0)))
     return broadcast_turns_to_tokens(norm, token_turn_index) * response_mask, y_v
 
 
@@ -135,9 +78,9 @@ def compute_sapo_turn_advantage_return(
 def _dis_bounds(config: Any) -> tuple[float, float]:
     """DIS interval from ``policy_loss.rollout_correction.rollout_is_threshold`` when it is a
     ``"low_high"`` string (verl's IcePop syntax), else the paper's (0.7, 6.0)."""
-    policy_loss = _cfg(config, "policy_loss", None)
-    corr = _cfg(policy_loss, "rollout_correction", None)
-    spec = _cfg(corr, "rollout_is_threshold", None)
+    policy_loss = config_value(config, "policy_loss", None)
+    corr = config_value(policy_loss, "rollout_correction", None)
+    spec = config_value(corr, "rollout_is_threshold", None)
     if isinstance(spec, str) and "_" in spec:
         low, high = (float(x) for x in spec.split("_", 1))
         return low, high
@@ -149,7 +92,7 @@ def _normaliser(config: Any, loss_agg_mode: str, name: str) -> Optional[float]:
     ``dp_size`` (FSDP then averages gradients over ranks), i.e. it divides the local sum by count / dp_size."""
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{name} supports loss_agg_mode in {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
-    batch_info = _cfg(config, "global_batch_info", {}) or {}
+    batch_info = config_value(config, "global_batch_info", {}) or {}
     key = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
     if batch_info.get(key) is None:
         return None
@@ -157,8 +100,8 @@ def _normaliser(config: Any, loss_agg_mode: str, name: str) -> Optional[float]:
 
 
 def _clip_ratios(config: Any) -> tuple[float, float]:
-    clip = float(_cfg(config, "clip_ratio", 0.2))
-    return float(_cfg(config, "clip_ratio_low", clip)), float(_cfg(config, "clip_ratio_high", clip))
+    clip = float(config_value(config, "clip_ratio", 0.2))
+    return float(config_value(config, "clip_ratio_low", clip)), float(config_value(config, "clip_ratio_high", clip))
 
 
 def _no_second_is_weight(rollout_is_weights, name: str) -> None:
@@ -215,9 +158,9 @@ def compute_policy_loss_sapo_ar(old_log_prob, log_prob, advantages, response_mas
     in the same backward pass. Named ``sapo_ar`` because verl's ``sapo`` is another algorithm."""
     if loss_agg_mode != "token-mean":
         raise ValueError(f"sapo_ar supports loss_agg_mode='token-mean' only, got {loss_agg_mode!r}")
-    eps = float(_cfg(config, "clip_ratio", 0.2))
+    eps = float(config_value(config, "clip_ratio", 0.2))
     loss, clipfrac = ppo_clip_token_loss(log_prob, old_log_prob, advantages, response_mask, eps)
-    batch_info = _cfg(config, "global_batch_info", {}) or {}
+    batch_info = config_value(config, "global_batch_info", {}) or {}
     if batch_info.get("batch_num_tokens") is not None:  # verl's global token normaliser
         local = response_mask.to(log_prob.dtype).sum().clamp_min(1.0)
         loss = loss * local / (batch_info["batch_num_tokens"] / batch_info.get("dp_size", 1))
@@ -250,8 +193,9 @@ def _load_hf_replica():
 
 def register() -> None:
     """Idempotently add our names to verl's registries."""
-    _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sao_gae", compute_sao_gae_advantage_return)
-    _add(core_algos.ADV_ESTIMATOR_REGISTRY, "li2sao_group", compute_li2sao_group_advantage_return)
+    _add(core_algos.ADV_ESTIMATOR_REGISTRY, "grpo_group", grpo_group_estimator)
+    _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sao_gae", sao_gae_estimator)
+    _add(core_algos.ADV_ESTIMATOR_REGISTRY, "li2sao_group", li2sao_group_estimator)
     _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sapo_turn", compute_sapo_turn_advantage_return)
     _add(core_algos.POLICY_LOSS_REGISTRY, "ppo_clip", compute_policy_loss_ppo_clip)
     _add(core_algos.POLICY_LOSS_REGISTRY, "dis", compute_policy_loss_dis)

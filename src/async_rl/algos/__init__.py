@@ -39,6 +39,7 @@ from async_rl.algos.sapo import (
     broadcast_turns_to_tokens,
     normalise_turn_advantages,
     normalised_readout,
+    num_turns_of,
     ppo_clip_token_loss,
     restricted_entropy,
     restricted_log_softmax,

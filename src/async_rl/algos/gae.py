@@ -14,8 +14,13 @@ Details: docs/algorithms.md (LiSAO (spec §3): the table and "How the GAE is com
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
+
+from async_rl.algos.estimate import AdvantageEstimate, config_value
+from async_rl.algos.metrics import critic_explained_variance
 
 
 def length_adaptive_lambda(response_mask: torch.Tensor, alpha: float = 1.5) -> torch.Tensor:
@@ -193,3 +198,44 @@ def sao_gae(
         token_level_rewards, values, response_mask, lam=lam, gamma=gamma, critic_lam=1.0,
         whiten=whiten, process_group=process_group,
     )
+
+
+def sao_gae_estimator(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: Optional[torch.Tensor] = None,
+    config=None,
+    **unused,
+) -> AdvantageEstimate:
+    """Single-rollout skip-observation GAE (spec §3), registered in verl as ``sao_gae``: LiSAO, Li2SAO after
+    the switch, and PPO with a fixed λ. The critic fits the absolute λ = 1 returns on every model token with
+    plain squared error (Eq. 5; ``clip_absolute_value_loss`` clips it with ``value_clip``, an ablation).
+
+    Args:
+        token_level_rewards, response_mask, values: ``(bs, T)``; ``values`` (the critic's V_old) are required:
+            stock verl's ``compute_advantage`` does not pass them, so call the registered function with them.
+        config: ``gamma`` (1.0), ``gae_alpha`` or verl's ``sao_alpha`` (α = 1.5), ``whiten_advantages`` or
+            verl's ``sao_whiten`` (True), ``gae_lambda`` (None = length-adaptive λ; a number = that fixed λ),
+            ``clip_absolute_value_loss`` (False), ``value_clip`` (0.2).
+    """
+    if values is None:
+        raise ValueError(
+            "sao_gae needs critic values, but verl's compute_advantage does not pass them to registered "
+            "estimators. Call it as get_adv_estimator_fn('sao_gae')(token_level_rewards=..., "
+            "response_mask=..., values=data.batch['values'], config=...), as async_rl's driver does."
+        )
+    gamma = float(config_value(config, "gamma", 1.0))
+    whiten = bool(config_value(config, "whiten_advantages", True, alias="sao_whiten"))
+    fixed_lambda = config_value(config, "gae_lambda", None)
+    if fixed_lambda is None:
+        alpha = float(config_value(config, "gae_alpha", 1.5, alias="sao_alpha"))
+        advantages, returns = sao_gae(token_level_rewards, values, response_mask, alpha=alpha, gamma=gamma,
+                                      whiten=whiten)
+    else:
+        advantages, returns = skip_observation_gae(token_level_rewards, values, response_mask,
+                                                   lam=float(fixed_lambda), gamma=gamma, whiten=whiten)
+    clipped = bool(config_value(config, "clip_absolute_value_loss", False))
+    return AdvantageEstimate(advantages, returns, critic_targets=returns, critic_mask=response_mask,
+                             value_clip=float(config_value(config, "value_clip", 0.2)) if clipped else None,
+                             metrics=critic_explained_variance(values, returns, response_mask, None))
+

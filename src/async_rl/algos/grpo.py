@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from async_rl.algos._util import group_index
+from async_rl.algos.estimate import AdvantageEstimate, config_value
 
 
 def group_statistics(scores: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,3 +73,31 @@ def grpo_group_advantage(
 def broadcast_to_tokens(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Write a per-response value on every model token: ``(bs,) -> (bs, response_length)``."""
     return per_sample.unsqueeze(-1) * response_mask.to(per_sample.dtype)
+
+
+def grpo_group_estimator(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index=None,
+    config=None,
+    scores: torch.Tensor | None = None,
+    **unused,
+) -> AdvantageEstimate:
+    """GRPO's estimator (spec §2), registered in verl as ``grpo_group``: :func:`grpo_group_advantage` on every
+    model token; no critic (``returns`` = the advantages, as verl's own ``grpo`` does).
+
+    Unlike verl's ``grpo``, a group of one gets advantage 0 and an all-equal group exactly 0.
+
+    Args:
+        token_level_rewards, response_mask: ``(bs, T)``.
+        index: ``(bs,)`` prompt-group ids (verl's ``uid``).
+        config: reads ``grpo_epsilon`` (1e-6).
+        scores: ``(bs,)`` outcome rewards; default: the row sums of ``token_level_rewards``.
+    """
+    if index is None:
+        raise ValueError("grpo_group needs `index` (verl's non_tensor_batch['uid']) to form prompt groups")
+    scores = token_level_rewards.sum(dim=-1) if scores is None else scores
+    epsilon = float(config_value(config, "grpo_epsilon", 1e-6))
+    advantages = broadcast_to_tokens(grpo_group_advantage(scores, index, epsilon), response_mask)
+    return AdvantageEstimate(advantages, advantages)
+

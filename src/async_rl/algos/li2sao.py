@@ -12,8 +12,10 @@ from typing import Optional
 import torch
 
 from async_rl.algos._util import group_index, last_true_index, loss_denominator, masked_mean
+from async_rl.algos.estimate import AdvantageEstimate, config_value
 from async_rl.algos.gae import sao_gae
 from async_rl.algos.grpo import broadcast_to_tokens, group_statistics, grpo_group_advantage
+from async_rl.algos.metrics import critic_explained_variance
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -393,3 +395,69 @@ class ReadinessGate:
             "li2sao/eta_a": self.eta_a,
             "li2sao/switched": float(self.switched),
         }
+
+
+def readiness_metrics(old_values: torch.Tensor, scores: torch.Tensor, group_ids: list[str],
+                      mask: torch.Tensor) -> dict[str, float]:
+    """The Li2SAO gate's inputs e_k, a_k (Eq. 12-13) on this batch's mixed groups, read from the frozen V_old
+    ``(bs, T)`` at each response's last model token; sums over the whole batch (the learner holds every
+    trajectory, whichever workers trained on it). A statistic without data (no mixed group) is left out."""
+    stats = readiness_statistics(values_at_last_model_token(old_values, mask), scores, group_ids)
+    e_k, a_k = readiness_from_statistics(stats)
+    out = {"li2sao/mixed_groups_trajectories": float(stats[0]), "li2sao/rank_pairs": float(stats[5])}
+    if e_k is not None:
+        out["li2sao/explained_var_residual"] = e_k
+    if a_k is not None:
+        out["li2sao/rank_acc"] = a_k
+    return out
+
+
+def li2sao_group_estimator(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index=None,
+    values: Optional[torch.Tensor] = None,
+    config=None,
+    scores: Optional[torch.Tensor] = None,
+    responses: Optional[torch.Tensor] = None,
+    response_attention: Optional[torch.Tensor] = None,
+    **unused,
+) -> AdvantageEstimate:
+    """Li2SAO's estimator (spec §4), registered in verl as ``li2sao_group``; shapes ``(bs, T)``.
+
+    Called as stock verl's ``compute_advantage`` calls estimators (no token tensors): :func:`li2sao_advantage`,
+    the group advantage on batches of groups, single-rollout GAE on singletons (which needs ``values``).
+
+    Called by our trainer in the bootstrap phase, with ``responses`` and ``response_attention``: the group
+    advantage for the actor and, for the critic, the residual targets ``Ĝ_t - μ_group`` (λ = 1, ``Ĝ = γ^k R``)
+    under the divergence mask of complete mixed groups, trained with the clipped residual loss (Eq. 10,
+    ``value_clip``) and the terminal ranking loss (Eq. 11); with ``values`` (V_old) also the gate's readiness
+    statistics e_k, a_k and the critic's explained variance. ``returns`` are the absolute returns ``Ĝ``.
+
+    Config keys: ``gamma`` (1.0), ``grpo_epsilon`` (1e-6), ``gae_alpha`` or verl's ``sao_alpha`` (1.5),
+    ``value_clip`` (0.2), ``rank_margin`` (0.1), ``rank_coef`` (0.1).
+    """
+    if index is None:
+        raise ValueError("li2sao_group needs `index` (verl's non_tensor_batch['uid']) to form prompt groups")
+    gamma = float(config_value(config, "gamma", 1.0))
+    epsilon = float(config_value(config, "grpo_epsilon", 1e-6))
+    if responses is None or response_attention is None:
+        advantages, returns = li2sao_advantage(
+            token_level_rewards, response_mask, index, values=values, epsilon=epsilon, gamma=gamma,
+            alpha=float(config_value(config, "gae_alpha", 1.5, alias="sao_alpha")))
+        return AdvantageEstimate(advantages, returns)
+    scores = token_level_rewards.sum(dim=-1) if scores is None else scores
+    advantages = broadcast_to_tokens(grpo_group_advantage(scores, index, epsilon), response_mask)
+    returns = bootstrap_returns(scores, response_mask, gamma)
+    targets, keep = residual_critic_targets(returns, scores, index, response_mask)
+    critic_mask = divergence_mask(responses, response_mask, scores, index, response_attention) * keep.unsqueeze(1)
+    metrics: dict[str, float] = {}
+    if values is not None:
+        metrics.update(readiness_metrics(values, scores, index, response_mask))
+        metrics.update(critic_explained_variance(values, targets, response_mask * keep.unsqueeze(1), critic_mask))
+    ranking = {"scores": scores, "group_ids": index, "margin": float(config_value(config, "rank_margin", 0.1)),
+               "coef": float(config_value(config, "rank_coef", 0.1))}
+    return AdvantageEstimate(advantages, returns, critic_targets=targets, critic_mask=critic_mask,
+                             value_clip=float(config_value(config, "value_clip", 0.2)), ranking=ranking,
+                             metrics=metrics)
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -104,3 +106,21 @@ def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
             "rollout/mismatch_abs_logprob_mean": float(sums["abs"]) / n if n else 0.0,
             "rollout/mismatch_tokens": n,
             "rollout/dis_band_masked_frac": float(sums["dis_masked"]) / n_all if n_all else 0.0}
+
+
+def critic_explained_variance(old_values: torch.Tensor, targets: torch.Tensor, token_mask: torch.Tensor,
+                              loss_mask: Optional[torch.Tensor]) -> dict[str, float]:
+    """Explained variance ``1 - Var(G - V)/Var(G)`` of V_old against the critic's own target, three ways:
+    over every model token (``critic/ev_tokens``, also ``critic/explained_var``), at each response's last
+    model token only (``critic/ev_terminal``; in the bootstrap this is e_k), and, in the bootstrap, over
+    the divergence mask the residual loss is trained on (``critic/ev_loss_mask``). Tensors ``(bs, T)``."""
+    ev_tokens = explained_variance(old_values, targets, token_mask)
+    terminal = torch.zeros_like(token_mask)
+    last = token_mask.shape[1] - 1 - torch.flip(token_mask, dims=[1]).argmax(dim=1)
+    rows = token_mask.sum(dim=1) > 0
+    terminal[rows.nonzero().squeeze(1), last[rows]] = 1.0
+    out = {"critic/ev_tokens": ev_tokens, "critic/explained_var": ev_tokens,
+           "critic/ev_terminal": explained_variance(old_values, targets, terminal)}
+    if loss_mask is not None:
+        out["critic/ev_loss_mask"] = explained_variance(old_values, targets, loss_mask)
+    return out

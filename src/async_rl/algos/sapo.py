@@ -257,3 +257,8 @@ def sapo_total_loss(
 ) -> torch.Tensor:
     """``L_pol + c_V L_V + c_Q L_Q + β L_KL - c_H H`` (spec §5), one backward through the backbone."""
     return policy_loss + c_v * v_loss + c_q * q_loss + kl_coef * kl - c_h * entropy
+
+
+def num_turns_of(token_turn_index: torch.Tensor) -> int:
+    """``K`` = largest turn index on a model token + 1 (at least 1)."""
+    return max(int(token_turn_index.max()) + 1, 1) if token_turn_index.numel() else 1

@@ -1,6 +1,7 @@
 """Batches: trajectories to tensors (:func:`collate`, SAPO's :func:`turn_tensors`) and the statistics read off a
-batch (:func:`batch_metrics`, :func:`critic_explained_variance`, :func:`readiness_metrics`). Sits between the
-buffer and the algorithms: the learner calls these and does no tensor math itself.
+batch's trajectories (:func:`batch_metrics`). Sits between the buffer and the algorithms: the learner calls these
+and does no tensor math itself (the estimators' own statistics, the critic's explained variance and the Li2SAO
+gate's e_k, a_k, come with their estimates from :mod:`async_rl.algos`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,7 @@ from typing import Optional
 
 import torch
 
-from async_rl.algos import (
-    explained_variance,
-    policy_lag_stats,
-    readiness_from_statistics,
-    readiness_statistics,
-    values_at_last_model_token,
-)
+from async_rl.algos import num_turns_of, policy_lag_stats
 from async_rl.driver.trajectory import OBSERVATION_VERSION, Trajectory
 
 
@@ -78,11 +73,6 @@ def mark_current_version(batch: dict[str, torch.Tensor], policy_version: int) ->
 # ----------------------------------------------------------------------------------------------------
 # SAPO's turn tensors (spec §5): built in the driver, which holds the trajectories
 # ----------------------------------------------------------------------------------------------------
-def num_turns_of(token_turn_index: torch.Tensor) -> int:
-    """``K`` = largest turn index on a model token + 1 (at least 1)."""
-    return max(int(token_turn_index.max()) + 1, 1) if token_turn_index.numel() else 1
-
-
 def turn_tensors(trajectories_or_batch, num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
     """``(bs, K)`` turn tensors: ``turn_rewards``, ``turn_dones``, ``turn_mask``, ``turn_invalid`` (float32).
 
@@ -178,36 +168,3 @@ def batch_metrics(trajectories: list[Trajectory], batch: Mapping[str, torch.Tens
     }
     out.update(policy_lag_stats(batch["token_versions"], policy_version, batch["response_mask"]))
     return {k: (v if not (isinstance(v, float) and math.isnan(v)) else float("nan")) for k, v in out.items()}
-
-
-def critic_explained_variance(old_values: torch.Tensor, targets: torch.Tensor, token_mask: torch.Tensor,
-                              loss_mask: Optional[torch.Tensor]) -> dict[str, float]:
-    """Explained variance ``1 - Var(G - V)/Var(G)`` of V_old against the critic's own target, three ways:
-    over every model token (``critic/ev_tokens``, also ``critic/explained_var``), at each response's last
-    model token only (``critic/ev_terminal``; in the bootstrap this is e_k), and, in the bootstrap, over
-    the divergence mask the residual loss is trained on (``critic/ev_loss_mask``). Tensors ``(bs, T)``."""
-    ev_tokens = explained_variance(old_values, targets, token_mask)
-    terminal = torch.zeros_like(token_mask)
-    last = token_mask.shape[1] - 1 - torch.flip(token_mask, dims=[1]).argmax(dim=1)
-    rows = token_mask.sum(dim=1) > 0
-    terminal[rows.nonzero().squeeze(1), last[rows]] = 1.0
-    out = {"critic/ev_tokens": ev_tokens, "critic/explained_var": ev_tokens,
-           "critic/ev_terminal": explained_variance(old_values, targets, terminal)}
-    if loss_mask is not None:
-        out["critic/ev_loss_mask"] = explained_variance(old_values, targets, loss_mask)
-    return out
-
-
-def readiness_metrics(old_values: torch.Tensor, scores: torch.Tensor, group_ids: list[str],
-                      mask: torch.Tensor) -> dict[str, float]:
-    """The Li2SAO gate's inputs e_k, a_k (Eq. 12-13) on this batch's mixed groups, read from the frozen V_old
-    ``(bs, T)`` at each response's last model token; sums over the whole batch (the learner holds every
-    trajectory, whichever workers trained on it). A statistic without data (no mixed group) is left out."""
-    stats = readiness_statistics(values_at_last_model_token(old_values, mask), scores, group_ids)
-    e_k, a_k = readiness_from_statistics(stats)
-    out = {"li2sao/mixed_groups_trajectories": float(stats[0]), "li2sao/rank_pairs": float(stats[5])}
-    if e_k is not None:
-        out["li2sao/explained_var_residual"] = e_k
-    if a_k is not None:
-        out["li2sao/rank_acc"] = a_k
-    return out

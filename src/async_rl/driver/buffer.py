@@ -123,14 +123,6 @@ class TrajectoryBuffer:
         self.counters.discarded += dropped
         return dropped
 
-    def discard_all(self) -> int:
-        """Empty the buffer (released and partial groups); returns trajectories discarded."""
-        n = len(self)
-        self._partial.clear()
-        self._ready.clear()
-        self.counters.discarded += n
-        return n
-
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         return {

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from async_rl.config import plan_for
 from async_rl.config import AlgorithmConfig
 from async_rl.driver.driver import DeterministicDriver, DriverConfig
 from async_rl.driver.episode import ChatFormatter, EpisodeLimits
@@ -73,11 +74,12 @@ def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Lea
     critic = None
     actor_optim = OptimizerConfig(lr=algo.actor_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0)
     banned: tuple[int, ...] = ()
-    if algo.name == "sapo" and spec.workers == "ray":
+    shared_backbone = plan_for(algo.name).shared_backbone  # SAPO: policy, V and Q in one model
+    if shared_backbone and spec.workers == "ray":
         # the same backbone as SapoWorker ranks (FSDP); their reserved ids are banned on the rollout replicas
         actor, _ = _ray_trainers(algo, spec, actor_optim)
         banned = tuple(actor.banned_token_ids)
-    elif algo.name == "sapo":
+    elif shared_backbone:
         # one backbone for policy, V and Q; the two reserved ids are never sampled (spec §5)
         from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
 
@@ -137,7 +139,7 @@ def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerCo
     hybrid = spec.rollout.mode == "hybrid"
     ensure_ray(num_cpus=spec.ray_num_cpus or spec.train_workers + _replica_cpus(spec) + 2, log_to_driver=False)
     critic_optim = OptimizerConfig(lr=algo.critic_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0)
-    sapo = algo.name == "sapo"
+    sapo = plan_for(algo.name).shared_backbone
     actor_kwargs = {"optim": actor_optim, "temperature": spec.temperature, "micro_batch_size": spec.micro_batch_size,
                     "training": spec.training}
     if sapo:  # every rank resolves the same reserved ids from the checkpoint's tokenizer (SapoWorker.init_model)

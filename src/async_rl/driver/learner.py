@@ -1,5 +1,8 @@
-"""One training step per batch (spec §2-§5): the algorithm's estimator (:mod:`async_rl.driver.estimators`),
-critic passes, actor update, Li2SAO's gate. Reads top to bottom; the equations live in :mod:`async_rl.algos`.
+"""One training step per batch (spec §2-§5): the algorithm's estimator, critic passes, actor update, Li2SAO's
+gate. Reads top to bottom; the equations live in :mod:`async_rl.algos`. The estimator and the policy loss are
+looked up in verl's registries (``get_adv_estimator_fn``, ``get_policy_loss_fn`` in the roles) by the names of
+the algorithm's plan (:data:`async_rl.config.ALGORITHM_PLANS`), and called with the critic's values and the batch tensors
+as keyword arguments.
 """
 
 from __future__ import annotations
@@ -9,10 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+import async_rl.verl_plugin  # noqa: F401  (our estimators and losses are in verl's registries before any lookup)
 from async_rl.algos import ReadinessGate
+from async_rl.algos.estimate import AdvantageEstimate
+from async_rl.config import plan_for
 from async_rl.config import AlgorithmConfig
-from async_rl.driver.batch import batch_metrics, collate, mark_current_version
-from async_rl.driver.estimators import get_estimator, plan_for
+from async_rl.driver.batch import batch_metrics, collate, mark_current_version, turn_tensors
 from async_rl.driver.kl_guard import KLGuard
 from async_rl.driver.trajectory import Trajectory
 from async_rl.workers.roles import ActorRole, CriticRole
@@ -65,7 +72,13 @@ class Learner:
 
         old_values = self.critic.values(batch) if self.critic is not None else None
         estimator = self.plan.grouped_estimator if grouped else self.plan.single_estimator
-        estimate = get_estimator(estimator)(batch, old_values, group_ids, cfg)
+        estimate = get_adv_estimator_fn(estimator)(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=group_ids, values=old_values, config=cfg, scores=batch["scores"], responses=batch["responses"],
+            response_attention=batch["response_attention"])
+        if not isinstance(estimate, AdvantageEstimate):
+            raise TypeError(f"estimator {estimator!r} returned {type(estimate).__name__}; the trainer needs an "
+                            "async_rl.algos.estimate.AdvantageEstimate (critic targets, mask, metrics)")
         metrics.update(estimate.metrics)
 
         # ---------------- critic: K passes with V_old frozen once per batch ----------------------------
@@ -105,7 +118,7 @@ class Learner:
     def _sapo_step(self, trajectories: list[Trajectory], batch, metrics: dict) -> StepResult:
         """SAPO (spec §5): frozen turn targets from the shared backbone, then one joint backward."""
         cfg = self.cfg
-        turns = self.actor.turn_tensors(trajectories)
+        turns = turn_tensors(trajectories)  # built here: the driver holds the trajectories
         targets = self.actor.compute_targets(batch, turns, gamma=cfg.gamma, lam=cfg.sapo_lambda,
                                              invalid_penalty=cfg.sapo_invalid_penalty)
         metrics.update(self.actor.update(batch, turns, targets, clip_eps=cfg.clip.clip_ratio_low,

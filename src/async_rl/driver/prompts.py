@@ -25,9 +25,6 @@ class PromptStream:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def peek_index(self) -> int:
-        return self.cursor
-
     def task_at(self, prompt_index: int) -> dict[str, Any]:
         epoch, pos = divmod(prompt_index, len(self.tasks))
         return self.tasks[self._order(epoch)[pos]]

@@ -104,11 +104,6 @@ class TrainEngine(abc.ABC):
         inputs = {key: value.to(self.device) if torch.is_tensor(value) else value for key, value in batch.items()}
         return self.module(**inputs, **kwargs)
 
-    def infer(self, batch: Mapping[str, Any], **kwargs: Any) -> Any:
-        """:meth:`forward` under ``torch.no_grad()`` (log-prob / value recomputation)."""
-        with torch.no_grad():
-            return self.forward(batch, **kwargs)
-
     def global_denominator(self, local_count: torch.Tensor | float | int) -> GlobalDenominator:
         """Sum a rank-local normaliser (token count, sequence count, ...) over all ranks.
 
@@ -193,11 +188,6 @@ class TrainEngine(abc.ABC):
         finally:
             if was_training:
                 self.train_mode()
-
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate of every parameter group (for an external schedule)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     # -- state -------------------------------------------------------------------------
     @abc.abstractmethod

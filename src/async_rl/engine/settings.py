@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from async_rl.engine.precision import validate_precision
-from async_rl.models.loading import check_attn_implementation
+from async_rl.validation import check_attn_implementation
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
     result = env.step("... so the answer is \\boxed{5}")   # StepResult(observation, reward, done, info)
 
 Rollout drivers never call an env directly: :func:`run_env_construct`, :func:`run_env_reset`,
-:func:`run_env_step`, :func:`run_env_close` (or :func:`arun_env_step` / :func:`arun_env_reset`, or
+:func:`run_env_step`, :func:`run_env_close` (or
 :meth:`EnvCallPool.submit`) run the call on a worker thread with a timeout and turn an exception, a hang or
 an invalid return value into an *aborted* outcome: dropped, never a reward (spec §1). Registry:
 ``@register_env("name")`` and :func:`make_env`.
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import abc
 import _thread
-import asyncio
-import concurrent.futures
 import importlib
 import math
 import numbers
@@ -38,8 +36,6 @@ __all__ = [
     "ResetOutcome",
     "StepOutcome",
     "StepResult",
-    "arun_env_reset",
-    "arun_env_step",
     "default_env_pool",
     "make_env",
     "outcome_of",
@@ -667,86 +663,6 @@ def close_late_env(call: EnvCall) -> None:
             env.close()
         except Exception:  # noqa: BLE001 - nobody is waiting for this env any more
             pass
-
-
-async def _await_in_executor(
-    fn: Callable[[], _T], timeout_s: float | None, executor: concurrent.futures.Executor | None
-) -> tuple[bool, _T | None, BaseException | None]:
-    """Async twin of :meth:`EnvCall.finish`: ``(finished, value, exception)``.
-
-    With ``executor=None`` the call runs on :func:`default_env_pool` (asyncio's default executor is
-    bounded, and hung steps would exhaust it). Pass your own executor to bound the threads yourself.
-    """
-    loop = asyncio.get_running_loop()
-    call: EnvCall | None = None
-    if executor is not None:
-        future: asyncio.Future[_T] = loop.run_in_executor(executor, fn)
-    else:
-        call = default_env_pool().submit(fn, timeout_s, "async")
-        if call.refused is not None:
-            return True, None, RuntimeError(call.refused)
-        future = loop.create_future()
-
-        def deliver(finished: EnvCall) -> None:
-            if not future.done():  # the waiter may have timed out and cancelled it
-                if finished.error is not None:
-                    future.set_exception(finished.error)
-                else:
-                    future.set_result(finished.value)
-
-        def wake(finished: EnvCall) -> None:
-            try:
-                loop.call_soon_threadsafe(deliver, finished)
-            except RuntimeError:
-                pass  # the loop is closed: the caller gave up on this (timed-out) call long ago
-
-        call.add_done_callback(wake)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    # an executor's own queue needs no rescue: one slice up to the deadline
-    slices = _rescue_slices(default_env_pool().rescue_after_s) if call is not None else iter([timeout_s])
-    for slice_s in slices:
-        if deadline is not None:
-            slice_s = min(slice_s, max(deadline - time.monotonic(), 0.0))
-        try:
-            # shield: a timeout must not try to cancel the running thread (impossible) -- we just stop waiting.
-            return True, await asyncio.wait_for(asyncio.shield(future), slice_s), None
-        except asyncio.TimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            if call is not None:
-                call._pool.rescue()  # calls queued behind busy workers get one
-        except Exception as exc:  # noqa: BLE001 - exceptions raised by the env itself
-            return True, None, exc
-    if call is not None and not call.give_up():  # it ended right at the deadline: use the result
-        return True, call.value, call.error
-    future.cancel()
-    return False, None, None
-
-
-async def arun_env_step(
-    env: Env,
-    action: str,
-    timeout_s: float | None = 60.0,
-    executor: concurrent.futures.Executor | None = None,
-) -> StepOutcome:
-    """``await``-able :func:`run_env_step` for asyncio drivers; the event loop is never blocked."""
-    _check_timeout(timeout_s)
-    started = time.monotonic()
-    finished, value, error = await _await_in_executor(lambda: env.step(action), timeout_s, executor)
-    return step_outcome(finished, value, error, time.monotonic() - started, timeout_s)
-
-
-async def arun_env_reset(
-    env: Env,
-    task: dict[str, Any],
-    timeout_s: float | None = 60.0,
-    executor: concurrent.futures.Executor | None = None,
-) -> ResetOutcome:
-    """``await``-able :func:`run_env_reset`."""
-    _check_timeout(timeout_s)
-    started = time.monotonic()
-    finished, value, error = await _await_in_executor(lambda: env.reset(task), timeout_s, executor)
-    return reset_outcome(finished, value, error, time.monotonic() - started, timeout_s)
 
 
 # --------------------------------------------------------------------------------------------------

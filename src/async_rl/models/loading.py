@@ -23,31 +23,6 @@ _MAKE_TINY_HINT = (
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
-FLASH_ATTN_INSTALL = ("pip install flash-attn --no-build-isolation (a wheel must match your CUDA and torch; "
-                      "see docs/engine.md)")
-
-
-def check_attn_implementation(name: str, device: str = "cpu", precision: str = "fp32") -> str:
-    """Return ``name`` if the trained models can use it here; otherwise raise a one-line ``ValueError``
-    naming the fix (the install line for flash-attn, or the setting to change)."""
-    if name not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"model.attn_implementation={name!r}; valid choices: {', '.join(ATTN_IMPLEMENTATIONS)}")
-    if name != "flash_attention_2":
-        return name
-    import importlib.util
-
-    if importlib.util.find_spec("flash_attn") is None:
-        raise ValueError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
-                         f"installed: {FLASH_ATTN_INSTALL}; or use model.attn_implementation=sdpa")
-    if not str(device).startswith("cuda"):
-        raise ValueError(f"model.attn_implementation=flash_attention_2 runs on CUDA GPUs only (device {device}); "
-                         "use model.attn_implementation=sdpa")
-    if precision != "bf16":
-        raise ValueError(f"model.attn_implementation=flash_attention_2 needs half-precision compute "
-                         f"(trainer.precision={precision}); set trainer.precision=bf16 or use sdpa")
-    return name
-
-
 class ModelPathError(FileNotFoundError):
     """The model directory does not exist or lacks the files needed to load it."""
 

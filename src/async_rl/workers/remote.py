@@ -123,7 +123,7 @@ SAPO_ZERO_WEIGHT_KEYS = ("response_mask", "turn_mask", "target_turn_mask", "targ
 
 class RemoteSapo:
     """The :class:`~async_rl.workers.sapo.SapoRole` calls the learner makes (spec §5), served by a
-    :class:`SapoWorker` group: ``turn_tensors``, ``compute_targets``, ``update``, the weight export and
+    :class:`SapoWorker` group: ``compute_targets``, ``update``, the weight export and
     checkpoints, and ``banned_token_ids`` for the rollout's sampling.
 
     Batches are collated dicts; the turn tensors and the frozen targets travel in the same DataProto as
@@ -153,12 +153,6 @@ class RemoteSapo:
     def banned_token_ids(self) -> tuple[int, int]:
         """The rollout never samples the reserved ids (their logits are the V/Q readout)."""
         return self.reserved_ids
-
-    def turn_tensors(self, trajectories_or_batch, num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """See :func:`async_rl.driver.batch.turn_tensors` (built in the driver: it reads the trajectories)."""
-        from async_rl.driver.batch import turn_tensors
-
-        return turn_tensors(trajectories_or_batch, num_turns)
 
     def _padded_proto(self, batch, turns, targets=None, meta_info=None) -> tuple[DataProto, int]:
         data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)

@@ -25,12 +25,12 @@ from async_rl.algos.sapo import (
     broadcast_turns_to_tokens,
     normalise_turn_advantages,
     normalised_readout,
+    num_turns_of,
     ppo_clip_token_loss,
     sapo_targets,
     turn_boundaries,
     turn_value_loss,
 )
-from async_rl.driver.batch import num_turns_of, turn_tensors
 from async_rl.engine import dist
 from async_rl.engine.base import GlobalDenominator, OptimizerConfig
 from async_rl.engine.fsdp import FSDPEngine
@@ -48,11 +48,6 @@ from async_rl.models.logprobs import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Names under which this algorithm is known. verl's policy-loss registry already holds ``sapo``
-# (Soft Adaptive Policy Optimisation, an unrelated algorithm), so ours must not use that name.
-POLICY_LOSS_NAME = "sapo_ar"
-ADV_ESTIMATOR_NAME = "sapo_turn"
 
 DEFAULT_RESERVED_TOKENS: tuple[str, str] = ("<|value_plus|>", "<|value_minus|>")
 AUTO_RESERVED = "auto"
@@ -463,10 +458,6 @@ class SapoRole:
             model_mask = mb["response_mask"].to(lp.device) > 0
             out.append(torch.where(model_mask, lp, torch.zeros((), device=lp.device)).cpu())
         return torch.cat(out)
-
-    def turn_tensors(self, trajectories_or_batch, num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """See :func:`turn_tensors`."""
-        return turn_tensors(trajectories_or_batch, num_turns)
 
     # -- targets --------------------------------------------------------------------------------
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
