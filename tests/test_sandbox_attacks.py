@@ -547,6 +547,10 @@ def test_namespaces_keyrings_io_uring_and_other_kernel_surface_are_refused(sandb
         "ptrace": f"{number('ptrace')}, L(0), L(0), None, None",  # PTRACE_TRACEME
         "personality": f"{number('personality')}, L(0x0040000)",  # ADDR_NO_RANDOMIZE
         "vsock": f"{number('socket')}, L(40), L(1), L(0)",  # AF_VSOCK reaches a VM's host across netns
+        # the same family with high bits the kernel ignores (it reads an int): AF_VSOCK sockets before issue 39
+        "vsock_high_bits": f"{number('socket')}, ctypes.c_long(0x100000028), L(1), L(0)",
+        "vsock_negative": f"{number('socket')}, ctypes.c_long(-0xffffffd8), L(1), L(0)",
+        "packet_socket": f"{number('socket')}, L(17), L(3), L(0)",  # AF_PACKET: outside the allowed families
         "newer_than_the_filter": f"{syscall_filter.build_program()[1]['unknown_enosys'][0]}",
     }
     result = sandbox.run(syscall_probe(calls) + "import threading\nt = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
@@ -648,32 +652,36 @@ def test_inode_flood_returns_within_timeout_plus_one_second(cgroup_sandbox_facto
     assert_cleaned_up(sandbox, result)  # waits for the background teardown: nothing is left behind
 
 
-@pytest.mark.slow
-def test_locks_on_read_only_binds_are_bounded_to_the_run(sandbox):
-    # Documented, not closed: a lock on a bound host file is seen outside while the run holds it,
-    # and it is gone when run() returns.
+def test_shared_file_channels_are_refused_on_the_read_only_binds(sandbox):
+    # Issue 39, findings 3, 4 and 7: the binds are host inodes, so their access events (inotify, fanotify,
+    # dnotify), their page cache (posix_fadvise, readahead, mincore, cachestat) and their locks were
+    # channels between runs and from the host. Each call on a bound file is refused now.
     target = os.path.join(sys.prefix, "pyvenv.cfg") if sys.prefix != sys.base_prefix else os.__file__
-    code = (
-        "import fcntl, os, time\n"
-        f"fd = os.open({target!r}, os.O_RDONLY)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    results: dict[str, SandboxResult] = {}
-    runner = run_in_thread(sandbox, code, 10, results, "lock")  # 10 s: sandbox start-up under load eats into it
-    with open(target, "rb") as handle:
-        held_outside = False
-        deadline = time.monotonic() + 9.0
-        while time.monotonic() < deadline and not held_outside:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(handle, fcntl.LOCK_UN)
-                time.sleep(0.05)
-            except BlockingIOError:
-                held_outside = True
-        runner.join(30)
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the time run() returned
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    assert held_outside and results["lock"].stdout == "locked\n" and results["lock"].error_kind == "timeout"
-    assert_cleaned_up(sandbox, results["lock"])
+    fd = f"os.open({target!r}, os.O_RDONLY)"
+    directory = f"os.open({os.path.dirname(target)!r}, os.O_RDONLY)"
+    calls = {
+        "inotify_init1": f"{number('inotify_init1')}, L(0)",
+        "fanotify_init": f"{number('fanotify_init')}, L(0), L(0)",
+        "fadvise_dontneed": f"{number('fadvise64')}, L({fd}), L(0), L(0), L(4)",  # POSIX_FADV_DONTNEED
+        "readahead": f"{number('readahead')}, L({fd}), L(0), L(4096)",
+        "mincore": f"{number('mincore')}, L(mapped), L(4096), ctypes.create_string_buffer(1)",
+        "flock": f"{number('flock')}, L({fd}), L(2 | 4)",  # LOCK_EX | LOCK_NB
+        "fcntl_setlk": f"{number('fcntl')}, L({fd}), L(6), ctypes.create_string_buffer(32)",  # F_SETLK
+        "fcntl_ofd_getlk": f"{number('fcntl')}, L({fd}), L(36), ctypes.create_string_buffer(32)",
+        "fcntl_setlk_high_bits": f"{number('fcntl')}, L({fd}), ctypes.c_long(6 | 1 << 32), ctypes.create_string_buffer(32)",
+        "dnotify": f"{number('fcntl')}, L({directory}), L(1026), L(1)",  # F_NOTIFY, DN_ACCESS
+        "sync": f"{number('sync')}",
+    }
+    # mincore needs a mapped page: a private (copy-on-write) map of the bound file gives one with an address
+    setup = (f"import mmap\nmapping = mmap.mmap({fd}, 0, access=mmap.ACCESS_COPY)\n"
+             "mapped = ctypes.addressof(ctypes.c_char.from_buffer(mapping))\n")
+    probe = syscall_probe(calls).replace("def call(", setup + "def call(", 1)
+    result = sandbox.run(probe + "import fcntl\ntry:\n    fcntl.flock(os.open('/workdir/main.py', os.O_RDONLY), fcntl.LOCK_EX)\n"
+                                 "except OSError as exc:\n    print('python_flock', -1, exc.errno)\n")
+    outcome = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in result.stdout.splitlines() if len(line.split()) == 3}
+    expected = {name: (-1, errno.EPERM) for name in calls}
+    for name in ("flock", "fcntl_setlk", "fcntl_ofd_getlk", "fcntl_setlk_high_bits", "python_flock"):
+        expected[name] = (-1, errno.ENOLCK)  # as on a file system without locks
+    assert outcome == expected, result
+    assert result.ok
+    assert_cleaned_up(sandbox, result)

@@ -4,7 +4,7 @@
     result = sandbox.run("print(2 + 3)")     # SandboxResult(stdout='5\\n', exit_code=0, error_kind=None, ...)
 
 One run: a slot with a uid of its own; a cgroup of its own (``cgroup.py``; else per-process rlimits); a
-launcher that sets rlimits and ``exec``s bwrap with new namespaces, the seccomp filter of
+launcher that sets rlimits and ``exec``s bwrap with new namespaces, the allowlist seccomp filter of
 ``syscall_filter.py``, an empty root holding only read-only system and interpreter directories and private
 tmpfs mounts, and dropped privileges; at the deadline the PID namespace's init is killed and the teardown
 runs in a thread of its own. Any OOM kill in the run's cgroup is ``error_kind="memory"``.
@@ -121,7 +121,8 @@ class IsolationReport:
         per_process_memory_mb: RLIMIT_AS of each process.
         slot_uids: the uid of each concurrency slot, claimed by this instance (empty when not root,
             and from :func:`detect_isolation`, which has no instance).
-        seccomp: the syscalls the run's seccomp filter refuses (names, clone flags; see ``syscall_filter``).
+        seccomp: the syscalls the run's seccomp filter refuses by name (and the refused clone flags); the
+            filter is an allowlist, so everything outside ``syscall_filter.ALLOWED`` is refused too.
         warnings: what is weaker than the full setup and why.
     """
 
