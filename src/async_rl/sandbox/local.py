@@ -153,6 +153,7 @@ _UID_SEARCH_SPAN = 1024  # uids tried from sandbox_uid up when claiming an insta
 _NEVER_UIDS = (65534, 65535)  # nobody, and (uid_t)-1 in 16 bits
 _UID_CLAIM_PREFIX = "async_rl_sandbox_uid_"
 _CAP_SYS_RESOURCE = 24
+_GC_WAIT_S = 2.0  # teardown: longest wait for the kernel to free a dead run's in-flight Unix-socket files
 
 # Joins the run's cgroup, sets the limits, ties itself to the trainer thread, then becomes bwrap. Runs with
 # -I -S (no site, no environment) from a string so that no file of this project is needed to start it.
@@ -1052,18 +1053,22 @@ class LocalSandbox:
                 for stream in (run.process.stdout, run.process.stderr):
                     if stream is not None:
                         stream.close()
+            namespace_gone = True
             if run.init_pidfd is not None:
                 # The pidfd turns readable once the init has exited, and an init exits only after the
                 # kernel has killed and released every other process of its PID namespace.
                 poller = select.poll()  # not select.select: fds above 1024 are common in a trainer
                 poller.register(run.init_pidfd, select.POLLIN)
                 if not poller.poll(5000):
+                    namespace_gone = False
                     problems.append("the sandbox's PID namespace is still alive 5 s after SIGKILL")
                 os.close(run.init_pidfd)
                 run.init_pidfd = None
             if run.mount_ns_fd is not None:
                 os.close(run.mount_ns_fd)  # the last reference: the run's tmpfs mounts go now (may take seconds)
                 run.mount_ns_fd = None
+            if namespace_gone:  # every process of the run is gone: what it left in flight is garbage
+                _release_files_in_flight(run.cgroup)
             if run.cgroup is not None:
                 error = run.cgroup.remove(timeout_s=2.0)
                 if error:
@@ -1121,6 +1126,49 @@ class LocalSandbox:
                 return exit_code, "memory", "memory limit exceeded (MemoryError)"
             return exit_code, "runtime_error", None
         return 0, None, None
+
+
+def _collect_unix_garbage(timeout_s: float) -> bool:
+    """Run the kernel's garbage collector of in-flight Unix-socket files and wait (at most ``timeout_s``)
+    until a collection that started after this call is over. True when it was seen to finish.
+
+    The collector runs on a kernel worker when some Unix socket is closed while files are in flight. To
+    see it finish, a marker of garbage is made here: a socket queued on itself together with a pipe's
+    write end. The pass that frees the marker closes that write end (EOF on the read end), and it also
+    freed every cycle that was garbage before the marker was made.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        first, second = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            socket.send_fds(first, [b"m"], [second.fileno(), write_end])
+        finally:
+            os.close(write_end)
+            second.close()  # now held only by its own queue: garbage
+            first.close()  # its release, with files in flight, queues a collection (which sees `second` dead)
+        poller = select.poll()
+        poller.register(read_end, select.POLLIN)
+        return bool(poller.poll(max(1, int(timeout_s * 1000))))
+    finally:
+        os.close(read_end)
+
+
+def _release_files_in_flight(cgroup: cgroups.RunCgroup | None) -> None:
+    """Free files the dead run left only in flight in its own Unix sockets (an SCM_RIGHTS cycle: a socket
+    queued on itself with memfds beside it), so ``run()`` returns with the run's memory given back.
+
+    No process refers to such files any more, but the kernel frees them only when its unix GC runs, and
+    that runs when some Unix socket somewhere is closed (seconds later on a quiet host). Here the GC is
+    run and waited for (:func:`_collect_unix_garbage`); with a memory cgroup also until the run's shared
+    memory is gone (the last files are released by a kernel worker just after the pass), all within
+    ``_GC_WAIT_S``.
+    """
+    deadline = time.monotonic() + _GC_WAIT_S
+    _collect_unix_garbage(_GC_WAIT_S)
+    if cgroup is None:
+        return
+    while cgroup.shmem_bytes() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _memory_file(name: str, data: bytes, run: _Run) -> int:
