@@ -568,8 +568,9 @@ def test_both_modes_pass_the_filter_to_bwrap(sandbox, monkeypatch):
     for is_root in (True, False):
         capabilities = local_module.dataclasses.replace(sandbox._capabilities, is_root=is_root)
         monkeypatch.setattr(sandbox, "_capabilities", capabilities)
-        argv = sandbox._command(0, code_fd=7, status_fd=8, seccomp_fd=9)
+        argv = sandbox._command(0, code_fd=7, status_fd=8, seccomp_fd=9, meminfo_fd=10)
         assert argv[argv.index("--seccomp") + 1] == "9"
+        assert position(argv, ["--perms", "0444", "--ro-bind-data", "10", "/proc/meminfo"]) > position(argv, ["--proc", "/proc"])
         assert ("--disable-userns" in argv) is not is_root
         choom = argv.index(capabilities.choom)
         assert argv[choom:choom + 4] == [capabilities.choom, "-n", "1000", "--"]
@@ -720,4 +721,23 @@ def test_memory_left_in_flight_in_unix_sockets_is_freed_before_run_returns(sandb
     assert result.ok and result.stdout == "in flight\n", result
     # 300 MB were held; 150 MB of slack for whatever else this machine does with shared memory meanwhile
     assert after - before < 150, (before, after)
+    assert_cleaned_up(sandbox, result)
+
+
+def test_proc_meminfo_is_the_runs_own(sandbox):
+    # Issue 39, finding 5: a plain procfs showed the host's /proc/meminfo, where a run saw another run's
+    # allocations as drops in MemAvailable. The run's file is static and states its own limit.
+    code = ("import time\nfirst = open('/proc/meminfo').read()\n"
+            "block = bytearray(64 << 20)\ntime.sleep(0.2)\n"
+            "print(first == open('/proc/meminfo').read())\nprint(first)")
+    result = sandbox.run(code)
+    assert result.ok, result
+    unchanged, *lines = result.stdout.splitlines()
+    fields = {line.split(":")[0]: line.split(":")[1].split() for line in lines if ":" in line}
+    limit_kb = str(sandbox.memory_limit_mb * 1024)
+    assert unchanged == "True"
+    assert fields["MemTotal"] == fields["MemFree"] == fields["MemAvailable"] == [limit_kb, "kB"]
+    with open("/proc/meminfo") as handle:
+        host_total = next(line.split()[1] for line in handle if line.startswith("MemTotal:"))
+    assert host_total != limit_kb
     assert_cleaned_up(sandbox, result)

@@ -804,7 +804,19 @@ class LocalSandbox:
         env.update(self.extra_env)
         return env
 
-    def _command(self, slot: int, code_fd: int, status_fd: int, seccomp_fd: int) -> list[str]:
+    def _meminfo(self) -> bytes:
+        """The run's ``/proc/meminfo``: its own limit as total, free and available, nothing of the host.
+
+        Static (no bit of it changes while the run goes on), so it carries nothing between runs; a program
+        that sizes itself from ``MemAvailable`` (psutil, numpy's tests, joblib) sees what it may use.
+        """
+        limit_kb = self.memory_limit_mb * 1024
+        fields = [("MemTotal", limit_kb), ("MemFree", limit_kb), ("MemAvailable", limit_kb)]
+        fields += [(name, 0) for name in ("Buffers", "Cached", "SwapCached", "Active", "Inactive", "SwapTotal",
+                                          "SwapFree", "Dirty", "Writeback", "AnonPages", "Mapped", "Shmem")]
+        return "".join(f"{name + ':':<16}{value:>8} kB\n" for name, value in fields).encode("ascii")
+
+    def _command(self, slot: int, code_fd: int, status_fd: int, seccomp_fd: int, meminfo_fd: int) -> list[str]:
         """The bwrap command line of one run (module docstring, step 3)."""
         capabilities = self._capabilities
         tmpfs_bytes = str(self.tmpfs_size_mb * 1024 * 1024)
@@ -825,7 +837,7 @@ class LocalSandbox:
             argv += ["--unshare-user", "--disable-userns"]
         argv += list(capabilities.system_binds)
         argv += [
-            "--proc", "/proc", "--dev", "/dev",
+            "--proc", "/proc", "--perms", "0444", "--ro-bind-data", str(meminfo_fd), "/proc/meminfo", "--dev", "/dev",
             "--perms", "1777", "--size", tmpfs_bytes, "--tmpfs", "/tmp",
             "--perms", "1777", "--size", tmpfs_bytes, "--tmpfs", "/dev/shm",
             "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/var",
@@ -911,25 +923,26 @@ class LocalSandbox:
         # The program, stdin and the filter travel in anonymous memory files: nothing touches the host disk.
         code_fd = _memory_file("main.py", code.encode("utf-8", errors="surrogatepass"), run)
         seccomp_fd = _memory_file("seccomp", self._capabilities.seccomp_program, run)
+        meminfo_fd = _memory_file("meminfo", self._meminfo(), run)
         stdin_fd = None
         if stdin is not None:
             stdin_fd = _memory_file("stdin", stdin.encode("utf-8", errors="surrogatepass"), run)
         launcher_read, launcher_write = os.pipe()
         bwrap_read, bwrap_write = os.pipe()
         run.fds += [launcher_read, launcher_write, bwrap_read, bwrap_write]
-        argv = self._command(slot, code_fd, bwrap_write, seccomp_fd)
+        argv = self._command(slot, code_fd, bwrap_write, seccomp_fd, meminfo_fd)
         config = self._launcher_config(argv, run.cgroup, timeout_s, launcher_write)
         run.process = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(config)],
             stdin=stdin_fd if stdin_fd is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(code_fd, seccomp_fd, launcher_write, bwrap_write),
+            pass_fds=(code_fd, seccomp_fd, meminfo_fd, launcher_write, bwrap_write),
             start_new_session=True,  # own process group: one killpg reaches the launcher/bwrap
             env=self._environment(),
             cwd="/",
         )
-        for fd in (launcher_write, bwrap_write, code_fd, seccomp_fd):  # the child has them now
+        for fd in (launcher_write, bwrap_write, code_fd, seccomp_fd, meminfo_fd):  # the child has them now
             os.close(fd)
             run.fds.remove(fd)
         return self._collect(run, launcher_read, bwrap_read, started, timeout_s)
