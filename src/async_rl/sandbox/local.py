@@ -9,7 +9,7 @@ launcher that sets rlimits and ``exec``s bwrap with new namespaces, the allowlis
 tmpfs mounts, and dropped privileges; at the deadline the PID namespace's init is killed and the teardown
 runs in a thread of its own. Any OOM kill in the run's cgroup is ``error_kind="memory"``.
 
-Details (guarantees, measurements, the known lock channel, why bubblewrap): docs/tasks.md (Code sandbox:
+Details (guarantees, measurements, the remaining channels, why bubblewrap): docs/tasks.md (Code sandbox:
 LocalSandbox).
 """
 
