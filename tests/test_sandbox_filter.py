@@ -103,12 +103,17 @@ def test_socket_family_is_read_as_the_kernel_reads_it(program):
     for family in syscall_filter.SOCKET_FAMILIES.values():
         assert decide(program, socket, (family, 1, 0)) == ALLOW
         assert decide(program, socket, (family | 0xABCD << 32, 1, 0)) == ALLOW
+    assert decide(program, socket, (16, 3, 0)) == ALLOW  # AF_NETLINK, NETLINK_ROUTE (getaddrinfo)
+    assert decide(program, socket, (16 | 7 << 32, 3, 0 | 9 << 32)) == ALLOW
+    assert decide(program, socket, (16, 3, 15)) == refused  # NETLINK_KOBJECT_UEVENT: the host's device events
+    assert decide(program, socket, (16, 3, 9)) == refused  # NETLINK_AUDIT
     assert decide(program, nr("socketpair"), (1, 1, 0, 0)) == ALLOW
     assert decide(program, nr("socketpair"), (40 | 1 << 32, 1, 0, 0)) == refused
 
 
 CONDITIONAL = {  # syscall -> (argument index, values worth trying)
     "socket": (0, [0, 1, 2, 10, 16, 17, 38, 40, 44]),
+    "socket ": (2, [0, 9, 15, 16]),  # the protocol, with AF_NETLINK set below
     "socketpair": (0, [1, 2, 40]),
     "fcntl": (1, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 16, 36, 37, 38, 1024, 1025, 1026, 1030, 1031, 1032,
                   1033, 1034, 1035, 2048]),
@@ -123,11 +128,13 @@ def test_every_argument_condition_ignores_the_bits_the_kernel_ignores(program, s
     for name, (position, values) in CONDITIONAL.items():
         for value in values:
             args = [rng.getrandbits(64) for _ in range(6)]
+            if name == "socket ":
+                args[0] = 16 | rng.getrandbits(32) << 32
             args[position] = value
-            expected = decide(program, nr(name), args)
+            expected = decide(program, nr(name.strip()), args)
             for _ in range(8):
                 args[position] = value | rng.getrandbits(32) << 32
-                assert decide(program, nr(name), args) == expected, (name, hex(value), hex(args[position]))
+                assert decide(program, nr(name.strip()), args) == expected, (name, hex(value), hex(args[position]))
 
 
 def test_fcntl_commands_channels_and_locks(program):

@@ -119,9 +119,12 @@ CLONE_NAMESPACE_FLAGS = {
     "CLONE_NEWNET": 0x40000000,
 }
 # socket(2)/socketpair(2) families a run may create: local sockets, IP on the run's own (empty) network
-# namespace, netlink (getaddrinfo asks it for addresses). Not AF_VSOCK (reaches a VM's host across network
-# namespaces), AF_PACKET, AF_ALG and the rest. socketpair only makes sense for AF_UNIX.
-SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+# namespace, and netlink's NETLINK_ROUTE only (getaddrinfo and if_nameindex ask it for the run's own
+# addresses; not NETLINK_KOBJECT_UEVENT, whose broadcasts are the host's device events, nor audit and the
+# rest). Not AF_VSOCK (reaches a VM's host across network namespaces), AF_PACKET, AF_ALG and the rest.
+# socketpair only makes sense for AF_UNIX.
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
+_AF_NETLINK, _NETLINK_ROUTE = 16, 0
 _SOCKETPAIR_FAMILIES = {"AF_UNIX": 1}
 # fcntl(2) commands a run may use. Refused: the lock commands (F_GETLK 5, F_SETLK 6, F_SETLKW 7,
 # F_OFD_GETLK 36, F_OFD_SETLK 37, F_OFD_SETLKW 38) answer ENOLCK like a file system without locks; leases
@@ -216,6 +219,7 @@ def build_program() -> tuple[bytes, dict[str, Any]]:
             rules.add_rule(library.ERRNO(errno.ENOSYS), "clone3")
         for family in SOCKET_FAMILIES.values():
             rules.add_rule(allow, "socket", _int_equals(library, 0, family))
+        rules.add_rule(allow, "socket", _int_equals(library, 0, _AF_NETLINK), _int_equals(library, 2, _NETLINK_ROUTE))
         for family in _SOCKETPAIR_FAMILIES.values():
             rules.add_rule(allow, "socketpair", _int_equals(library, 0, family))
         for command in FCNTL_COMMANDS.values():
@@ -243,7 +247,7 @@ def build_program() -> tuple[bytes, dict[str, Any]]:
     if not program or len(program) % 8:
         raise SeccompUnavailableError(f"libseccomp exported a malformed BPF program ({len(program)} bytes)")
     summary = {"allowed": allowed, "refused": refused, "clone_flags": sorted(CLONE_NAMESPACE_FLAGS),
-               "socket_families": sorted(SOCKET_FAMILIES), "fcntl_commands": sorted(FCNTL_COMMANDS),
+               "socket_families": [*sorted(SOCKET_FAMILIES), "AF_NETLINK/NETLINK_ROUTE"], "fcntl_commands": sorted(FCNTL_COMMANDS),
                "enosys": ["clone3"], "unknown_enosys": [highest + 1, highest + _UNKNOWN_SPAN],
                "instructions": len(program) // 8}
     return program, summary
