@@ -1,17 +1,23 @@
 """LocalSandbox after the issue-21 hardening: how long run() takes to come back, and what the attacks get.
 
-    .venv/bin/python benchmarks/sandbox_hardening.py      # ~1.5 min, as root with cgroups (like CI)
+    .venv/bin/python benchmarks/sandbox_hardening.py      # ~3 min, as root with cgroups (like CI)
 
 Measures, on this machine: ``print(1)`` latency (median of 10, seccomp filter included); a 2 s
 ``while True`` (return time); the inode flood (two processes creating empty files in ``/workdir`` until an
 8 s deadline: files made, run() return time, background teardown time); the socket-buffer OOM reproducer
 (error kind, OOM kills); a hostile run holding processes in one instance beside a 16-thread run in another
-made from the same ``sandbox_uid``. Writes ``results/sandbox_hardening.json`` with the commit and a dirty flag.
+made from the same ``sandbox_uid``; the cost of the allowlist seccomp filter (issue 39): a typical ReTool
+program (fractions, itertools, sympy), a numpy-heavy one and a syscall loop, each run 7 times with the
+filter and 7 times with an allow-everything filter in its place, interleaved (wall time of ``run()`` and
+the program's own time measured inside). Writes ``results/sandbox_hardening.json`` with the commit and a
+dirty flag.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -23,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import machine_info, save_json  # noqa: E402
 from test_sandbox_attacks import SOCKET_BUFFER_OOM  # noqa: E402  (the issue's reproducer, one copy)
 
-from async_rl.sandbox import LocalSandbox  # noqa: E402
+from async_rl.sandbox import LocalSandbox, syscall_filter  # noqa: E402
 
 FLOOD = (
     "import os\n"
@@ -46,6 +52,57 @@ GOOD = (
     "import threading\nthreads = [threading.Thread(target=sum, args=([1],)) for _ in range(16)]\n"
     "for thread in threads: thread.start()\nfor thread in threads: thread.join()\nprint('ok', len(threads))\n"
 )
+
+
+# what the filter costs: the program prints its own time from the start of its first import to its end
+RETOOL_PROGRAM = (
+    "import time\nstarted = time.perf_counter()\n"
+    "import itertools, math\nfrom fractions import Fraction\nimport sympy as sp\n"
+    "total = sum(Fraction(1, k) for k in range(1, 200))\n"
+    "x = sp.symbols('x')\nroots = sp.solve(x**3 - 6*x**2 + 11*x - 6, x)\n"
+    "count = sum(1 for p in itertools.permutations(range(8)) if p[0] < p[-1])\n"
+    "print(roots, count, math.comb(50, 25) % 1000, total.denominator % 1000)\n"
+    "print('elapsed', time.perf_counter() - started)\n"
+)
+NUMPY_PROGRAM = (
+    "import time\nstarted = time.perf_counter()\nimport numpy as np\n"
+    "rng = np.random.default_rng(0)\na = rng.standard_normal((300, 300))\n"
+    "for _ in range(20):\n    a = np.linalg.qr(a @ a.T / 300 + np.eye(300))[0]\n"
+    "spectrum = np.fft.rfft(rng.standard_normal(1 << 20))\nvalues = np.sort(rng.standard_normal(1 << 20))\n"
+    "print(float(np.abs(spectrum).mean()), float(values[0]))\n"
+    "print('elapsed', time.perf_counter() - started)\n"
+)
+SYSCALL_LOOP = (
+    "import os, time\nstarted = time.perf_counter()\n"
+    "for _ in range(200000):\n    os.getppid()\n"
+    "print('elapsed', time.perf_counter() - started)\n"
+)
+ALLOW_EVERYTHING = struct.pack("<HBBI", 0x06, 0, 0, 0x7FFF0000)  # BPF "ret SECCOMP_RET_ALLOW"
+
+
+def filter_cost(sandbox: LocalSandbox, repeats: int = 7) -> dict:
+    """Median run() wall time and in-program time, allowlist vs allow-everything, interleaved."""
+    allowlist = sandbox._capabilities
+    permissive = dataclasses.replace(allowlist, seccomp_program=ALLOW_EVERYTHING)
+    costs = {}
+    for name, code in (("retool_sympy", RETOOL_PROGRAM), ("numpy_heavy", NUMPY_PROGRAM),
+                       ("getppid_x200k", SYSCALL_LOOP)):
+        samples: dict[str, dict[str, list[float]]] = {"allowlist": {"wall": [], "inside": []},
+                                                      "allow_everything": {"wall": [], "inside": []}}
+        for _ in range(repeats):
+            for label, capabilities in (("allowlist", allowlist), ("allow_everything", permissive)):
+                sandbox._capabilities = capabilities
+                result, returned, _ = timed(sandbox, code, 60)
+                assert result.ok, result
+                samples[label]["wall"].append(returned)
+                samples[label]["inside"].append(float(result.stdout.split("elapsed")[-1]))
+        sandbox._capabilities = allowlist
+        medians = {label: {kind: round(statistics.median(values), 4) for kind, values in kinds.items()}
+                   for label, kinds in samples.items()}
+        medians["inside_overhead_pct"] = round(
+            100 * (medians["allowlist"]["inside"] / medians["allow_everything"]["inside"] - 1), 1)
+        costs[name] = medians
+    return costs
 
 
 def timed(sandbox: LocalSandbox, code: str, timeout_s: float):
@@ -71,6 +128,7 @@ def main() -> None:
                            sandbox_gid=65400)
     isolation = sandbox.isolation
     latencies = [timed(sandbox, "print(1)", 10)[1] for _ in range(10)]
+    costs = filter_cost(sandbox)
     loop, loop_returned, _ = timed(sandbox, "while True:\n    pass", 2)
     floods = []
     for _ in range(2):
@@ -93,8 +151,11 @@ def main() -> None:
         "machine": machine,
         "isolation": {"memory_scope": isolation.memory_scope, "privileges_dropped": isolation.privileges_dropped,
                       "seccomp_refused": len(isolation.seccomp), "bwrap": sandbox._capabilities.bwrap_version,
+                      "seccomp_allowed": len(syscall_filter.build_program()[1]["allowed"]),
+                      "seccomp_instructions": len(sandbox._capabilities.seccomp_program) // 8,
                       "oom_floor": sandbox._capabilities.oom_floor},
         "print_1_latency_s": {"median": round(statistics.median(latencies), 3), "max": round(max(latencies), 3)},
+        "seccomp_filter_cost": costs,
         "infinite_loop_2s": {"error_kind": loop.error_kind, "run_returned_s": round(loop_returned, 3)},
         "inode_flood_8s": floods,
         "socket_buffer_oom_512mb": {"error_kind": oom.error_kind, "detail": oom.detail,
@@ -110,6 +171,8 @@ def main() -> None:
         box.close()
     path = save_json("sandbox_hardening", payload)
     print(f"print(1) median {payload['print_1_latency_s']['median']} s; 2 s loop back after {loop_returned:.2f} s")
+    for name, cost in costs.items():
+        print(f"filter cost {name}: {cost}")
     for flood in floods:
         print(f"inode flood: {flood['files']} files, run() back after {flood['run_returned_s']} s, "
               f"teardown done after {flood['teardown_done_s']} s")

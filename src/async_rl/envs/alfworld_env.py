@@ -27,6 +27,7 @@ from typing import Any
 from async_rl.envs.base import Env, StepResult, register_env
 from async_rl.envs.demonstrations import ALFWORLD_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
+from async_rl.envs.markup import tag_contents
 
 __all__ = [
     "ALFWORLD_CATEGORIES",
@@ -82,7 +83,6 @@ _GAME_FILE = "game.tw-pddl"
 _TRAJ_FILE = "traj_data.json"
 _TASK_MARKER = "Your task is to: "
 _WELCOME_RE = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
-_ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
 _HIDDEN_COMMANDS = frozenset({"help"})  # shown to nobody: its output is a manual, not a game state
 
 # textworld's PDDL loader (fast_downward.pddl2sas) overwrites sys.argv, swaps sys.stdout for a buffer
@@ -327,7 +327,7 @@ def parse_action(text: str) -> str | None:
     and a trailing period dropped (``<action> Go to  Desk 1. </action>`` -> ``"go to desk 1"``). An empty
     tag gives None.
     """
-    found = _ACTION_TAG_RE.findall(text or "")
+    found = tag_contents(text or "", "action", ignore_case=True)
     if not found:
         return None
     action = " ".join(found[-1].split()).lower()

@@ -25,6 +25,7 @@ from typing import Any
 from async_rl.envs.base import Env, StepResult, register_env
 from async_rl.envs.demonstrations import RETOOL_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
+from async_rl.envs.markup import fenced_blocks, tag_contents
 from async_rl.rewards.math_reward import MathVerifier, extract_answer, grade_answer
 
 __all__ = [
@@ -48,11 +49,11 @@ PROMPT_TEMPLATE = (
     "{prompt}"
 )
 
-_CODE_TAG = re.compile(r"<code>(.*?)</code>", re.DOTALL)
-_FENCE_INSIDE_TAG = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n?(.*?)```", re.DOTALL | re.IGNORECASE)
-_PYTHON_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-# LocalSandbox writes the code to <workdir>/main.py; SandboxFusion uses its own temporary names.
-_SANDBOX_FILE = re.compile(r'File "[^"]*?(?:main\.py|/tmp[^"]*\.py)", line (\d+)')
+# A traceback's file line. The path runs to the next quote with no backtracking (possessive), so a
+# hostile stderr of `File "` and 64 KiB of `/tmp` is one scan, not one per character.
+_TRACEBACK_FILE = re.compile(r'File "([^"]*+)", line (\d++)')
+_MAX_LINE_DIGITS = 9  # int() refuses over 4,300 digits; no real program has a billion lines
+_INTERPRETER_INTEGER = re.compile(r"<interpreter>\s*+(-?\d++)\s*+</interpreter>")
 
 _INFRASTRUCTURE_KINDS = ("sandbox_error", "unreachable")
 
@@ -68,14 +69,14 @@ class SandboxInfrastructureError(RuntimeError):
 
 def extract_code(text: str) -> str | None:
     """The program to run for one model turn (rule 1 of the module docstring), or None when it has no code."""
-    blocks = _CODE_TAG.findall(text)
+    blocks = tag_contents(text, "code")
     if blocks:
         programs = []
         for block in blocks:
-            fenced = _FENCE_INSIDE_TAG.findall(block)
+            fenced = fenced_blocks(block, require_python=False)
             programs.append("\n".join(fenced) if fenced else block)
     else:
-        programs = _PYTHON_FENCE.findall(text)
+        programs = fenced_blocks(text, require_python=True)
     programs = [p.strip("\n") for p in programs if p.strip()]
     return "\n".join(programs) if programs else None
 
@@ -88,9 +89,24 @@ def _truncate_middle(text: str, limit: int) -> str:
     return f"{text[:head]}\n...[{len(text) - limit} chars truncated]...\n{text[len(text) - tail:]}"
 
 
+def _is_sandbox_file(path: str) -> bool:
+    """LocalSandbox writes the code to <workdir>/main.py; SandboxFusion uses its own names under /tmp."""
+    return path.endswith("main.py") or (path.endswith(".py") and "/tmp" in path[:-3])
+
+
 def _clean_traceback(text: str, line_offset: int) -> str:
-    """Hide the sandbox's temporary path (runs differ only in it) and undo the replay prelude's line shift."""
-    return _SANDBOX_FILE.sub(lambda m: f'File "<code>", line {max(int(m.group(1)) - line_offset, 1)}', text)
+    """Hide the sandbox's temporary path (runs differ only in it) and undo the replay prelude's line shift.
+
+    Linear in ``len(text)`` (the stderr is the program's, i.e. the model's, to choose).
+    """
+
+    def replace(match: re.Match) -> str:
+        path, line = match.group(1), match.group(2)
+        if not _is_sandbox_file(path) or len(line) > _MAX_LINE_DIGITS:
+            return match.group(0)
+        return f'File "<code>", line {max(int(line) - line_offset, 1)}'
+
+    return _TRACEBACK_FILE.sub(replace, text)
 
 
 def format_interpreter_output(result: Any, max_chars: int = 2048, line_offset: int = 0,
@@ -357,7 +373,7 @@ def make_retool_toy_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
 def optimal_toy_action(task: dict[str, Any], history: Sequence[tuple[str, str]] = ()) -> str:
     """Scripted policy for toy tasks: run the expression, then box the interpreter's answer."""
     for _action, observation in reversed(list(history)):
-        match = re.search(r"<interpreter>\s*(-?\d+)\s*</interpreter>", observation)
+        match = _INTERPRETER_INTEGER.search(observation)
         if match:
             return f"The result is \\boxed{{{match.group(1)}}}."
     return f"<code>\nprint({task['expression']})\n</code>"

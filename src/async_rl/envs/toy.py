@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from async_rl.envs.base import Env, StepResult, register_env
 from async_rl.envs.demonstrations import TOY_ECHO_DEMONSTRATIONS, TOY_KEYS_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
+from async_rl.envs.markup import tag_contents
 
 __all__ = [
     "TOY_ENV_NAMES",
@@ -49,7 +50,6 @@ _IM_START = "<|im_start|>"
 _IM_END = "<|im_end|>"
 
 _THINK_CLOSE = "</think>"
-_ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
 _KEYS_ACTION_RE = re.compile(r"(look|open\s+([0-9]))")
 _BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
 
@@ -82,7 +82,7 @@ def _strip_thinking(text: str) -> str:
 def parse_keys_action(text: str) -> tuple[str, int | None] | None:
     """Parse a ``toy_keys`` message into ``("look", None)`` / ``("open", digit)``, or None if invalid."""
     body = _strip_thinking(text)
-    tags = _ACTION_TAG_RE.findall(body)
+    tags = tag_contents(body, "action", ignore_case=True)
     if tags:
         candidate = tags[-1]
     else:

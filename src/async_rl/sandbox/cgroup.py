@@ -215,6 +215,20 @@ class RunCgroup:
             pass
         return 0
 
+    def shmem_bytes(self) -> int | None:
+        """Shared memory (tmpfs, memfd, SysV shm) still charged to the run; None without a memory cgroup."""
+        if not self.layout.memory_parent:
+            return None
+        try:
+            with open(os.path.join(self.layout.memory_parent, self.name, "memory.stat"), encoding="ascii") as handle:
+                for line in handle:
+                    key, _, value = line.partition(" ")
+                    if key == "shmem":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return None
+
     def kill_all(self, timeout_s: float) -> bool:
         """SIGKILL every member until none is left (a forking process is killed again). True if empty."""
         deadline = time.monotonic() + timeout_s

@@ -4,12 +4,12 @@
     result = sandbox.run("print(2 + 3)")     # SandboxResult(stdout='5\\n', exit_code=0, error_kind=None, ...)
 
 One run: a slot with a uid of its own; a cgroup of its own (``cgroup.py``; else per-process rlimits); a
-launcher that sets rlimits and ``exec``s bwrap with new namespaces, the seccomp filter of
+launcher that sets rlimits and ``exec``s bwrap with new namespaces, the allowlist seccomp filter of
 ``syscall_filter.py``, an empty root holding only read-only system and interpreter directories and private
 tmpfs mounts, and dropped privileges; at the deadline the PID namespace's init is killed and the teardown
 runs in a thread of its own. Any OOM kill in the run's cgroup is ``error_kind="memory"``.
 
-Details (guarantees, measurements, the known lock channel, why bubblewrap): docs/tasks.md (Code sandbox:
+Details (guarantees, measurements, the remaining channels, why bubblewrap): docs/tasks.md (Code sandbox:
 LocalSandbox).
 """
 
@@ -121,7 +121,8 @@ class IsolationReport:
         per_process_memory_mb: RLIMIT_AS of each process.
         slot_uids: the uid of each concurrency slot, claimed by this instance (empty when not root,
             and from :func:`detect_isolation`, which has no instance).
-        seccomp: the syscalls the run's seccomp filter refuses (names, clone flags; see ``syscall_filter``).
+        seccomp: the syscalls the run's seccomp filter refuses by name (and the refused clone flags); the
+            filter is an allowlist, so everything outside ``syscall_filter.ALLOWED`` is refused too.
         warnings: what is weaker than the full setup and why.
     """
 
@@ -152,6 +153,7 @@ _UID_SEARCH_SPAN = 1024  # uids tried from sandbox_uid up when claiming an insta
 _NEVER_UIDS = (65534, 65535)  # nobody, and (uid_t)-1 in 16 bits
 _UID_CLAIM_PREFIX = "async_rl_sandbox_uid_"
 _CAP_SYS_RESOURCE = 24
+_GC_WAIT_S = 2.0  # teardown: longest wait for the kernel to free a dead run's in-flight Unix-socket files
 
 # Joins the run's cgroup, sets the limits, ties itself to the trainer thread, then becomes bwrap. Runs with
 # -I -S (no site, no environment) from a string so that no file of this project is needed to start it.
@@ -802,7 +804,19 @@ class LocalSandbox:
         env.update(self.extra_env)
         return env
 
-    def _command(self, slot: int, code_fd: int, status_fd: int, seccomp_fd: int) -> list[str]:
+    def _meminfo(self) -> bytes:
+        """The run's ``/proc/meminfo``: its own limit as total, free and available, nothing of the host.
+
+        Static (no bit of it changes while the run goes on), so it carries nothing between runs; a program
+        that sizes itself from ``MemAvailable`` (psutil, numpy's tests, joblib) sees what it may use.
+        """
+        limit_kb = self.memory_limit_mb * 1024
+        fields = [("MemTotal", limit_kb), ("MemFree", limit_kb), ("MemAvailable", limit_kb)]
+        fields += [(name, 0) for name in ("Buffers", "Cached", "SwapCached", "Active", "Inactive", "SwapTotal",
+                                          "SwapFree", "Dirty", "Writeback", "AnonPages", "Mapped", "Shmem")]
+        return "".join(f"{name + ':':<16}{value:>8} kB\n" for name, value in fields).encode("ascii")
+
+    def _command(self, slot: int, code_fd: int, status_fd: int, seccomp_fd: int, meminfo_fd: int) -> list[str]:
         """The bwrap command line of one run (module docstring, step 3)."""
         capabilities = self._capabilities
         tmpfs_bytes = str(self.tmpfs_size_mb * 1024 * 1024)
@@ -823,7 +837,7 @@ class LocalSandbox:
             argv += ["--unshare-user", "--disable-userns"]
         argv += list(capabilities.system_binds)
         argv += [
-            "--proc", "/proc", "--dev", "/dev",
+            "--proc", "/proc", "--perms", "0444", "--ro-bind-data", str(meminfo_fd), "/proc/meminfo", "--dev", "/dev",
             "--perms", "1777", "--size", tmpfs_bytes, "--tmpfs", "/tmp",
             "--perms", "1777", "--size", tmpfs_bytes, "--tmpfs", "/dev/shm",
             "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/var",
@@ -909,25 +923,26 @@ class LocalSandbox:
         # The program, stdin and the filter travel in anonymous memory files: nothing touches the host disk.
         code_fd = _memory_file("main.py", code.encode("utf-8", errors="surrogatepass"), run)
         seccomp_fd = _memory_file("seccomp", self._capabilities.seccomp_program, run)
+        meminfo_fd = _memory_file("meminfo", self._meminfo(), run)
         stdin_fd = None
         if stdin is not None:
             stdin_fd = _memory_file("stdin", stdin.encode("utf-8", errors="surrogatepass"), run)
         launcher_read, launcher_write = os.pipe()
         bwrap_read, bwrap_write = os.pipe()
         run.fds += [launcher_read, launcher_write, bwrap_read, bwrap_write]
-        argv = self._command(slot, code_fd, bwrap_write, seccomp_fd)
+        argv = self._command(slot, code_fd, bwrap_write, seccomp_fd, meminfo_fd)
         config = self._launcher_config(argv, run.cgroup, timeout_s, launcher_write)
         run.process = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(config)],
             stdin=stdin_fd if stdin_fd is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(code_fd, seccomp_fd, launcher_write, bwrap_write),
+            pass_fds=(code_fd, seccomp_fd, meminfo_fd, launcher_write, bwrap_write),
             start_new_session=True,  # own process group: one killpg reaches the launcher/bwrap
             env=self._environment(),
             cwd="/",
         )
-        for fd in (launcher_write, bwrap_write, code_fd, seccomp_fd):  # the child has them now
+        for fd in (launcher_write, bwrap_write, code_fd, seccomp_fd, meminfo_fd):  # the child has them now
             os.close(fd)
             run.fds.remove(fd)
         return self._collect(run, launcher_read, bwrap_read, started, timeout_s)
@@ -1051,18 +1066,22 @@ class LocalSandbox:
                 for stream in (run.process.stdout, run.process.stderr):
                     if stream is not None:
                         stream.close()
+            namespace_gone = True
             if run.init_pidfd is not None:
                 # The pidfd turns readable once the init has exited, and an init exits only after the
                 # kernel has killed and released every other process of its PID namespace.
                 poller = select.poll()  # not select.select: fds above 1024 are common in a trainer
                 poller.register(run.init_pidfd, select.POLLIN)
                 if not poller.poll(5000):
+                    namespace_gone = False
                     problems.append("the sandbox's PID namespace is still alive 5 s after SIGKILL")
                 os.close(run.init_pidfd)
                 run.init_pidfd = None
             if run.mount_ns_fd is not None:
                 os.close(run.mount_ns_fd)  # the last reference: the run's tmpfs mounts go now (may take seconds)
                 run.mount_ns_fd = None
+            if namespace_gone:  # every process of the run is gone: what it left in flight is garbage
+                _release_files_in_flight(run.cgroup)
             if run.cgroup is not None:
                 error = run.cgroup.remove(timeout_s=2.0)
                 if error:
@@ -1120,6 +1139,49 @@ class LocalSandbox:
                 return exit_code, "memory", "memory limit exceeded (MemoryError)"
             return exit_code, "runtime_error", None
         return 0, None, None
+
+
+def _collect_unix_garbage(timeout_s: float) -> bool:
+    """Run the kernel's garbage collector of in-flight Unix-socket files and wait (at most ``timeout_s``)
+    until a collection that started after this call is over. True when it was seen to finish.
+
+    The collector runs on a kernel worker when some Unix socket is closed while files are in flight. To
+    see it finish, a marker of garbage is made here: a socket queued on itself together with a pipe's
+    write end. The pass that frees the marker closes that write end (EOF on the read end), and it also
+    freed every cycle that was garbage before the marker was made.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        first, second = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            socket.send_fds(first, [b"m"], [second.fileno(), write_end])
+        finally:
+            os.close(write_end)
+            second.close()  # now held only by its own queue: garbage
+            first.close()  # its release, with files in flight, queues a collection (which sees `second` dead)
+        poller = select.poll()
+        poller.register(read_end, select.POLLIN)
+        return bool(poller.poll(max(1, int(timeout_s * 1000))))
+    finally:
+        os.close(read_end)
+
+
+def _release_files_in_flight(cgroup: cgroups.RunCgroup | None) -> None:
+    """Free files the dead run left only in flight in its own Unix sockets (an SCM_RIGHTS cycle: a socket
+    queued on itself with memfds beside it), so ``run()`` returns with the run's memory given back.
+
+    No process refers to such files any more, but the kernel frees them only when its unix GC runs, and
+    that runs when some Unix socket somewhere is closed (seconds later on a quiet host). Here the GC is
+    run and waited for (:func:`_collect_unix_garbage`); with a memory cgroup also until the run's shared
+    memory is gone (the last files are released by a kernel worker just after the pass), all within
+    ``_GC_WAIT_S``.
+    """
+    deadline = time.monotonic() + _GC_WAIT_S
+    _collect_unix_garbage(_GC_WAIT_S)
+    if cgroup is None:
+        return
+    while cgroup.shmem_bytes() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _memory_file(name: str, data: bytes, run: _Run) -> int:

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 from async_rl.envs.base import Env, StepResult, register_env
 from async_rl.envs.demonstrations import WEBSHOP_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
+from async_rl.envs.markup import tag_contents
 from async_rl.envs.webshop.catalog import (
     DEFAULT_NUM_GOALS,
     DEFAULT_NUM_PRODUCTS,
@@ -54,13 +55,12 @@ DEFAULT_MAX_TURNS = 15
 DEFAULT_HISTORY_LENGTH = 2
 BACKENDS = ("simulator", "server")
 
-_ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.IGNORECASE | re.DOTALL)
 _INSTRUCTION_HEAD_RE = re.compile(r"^(?:WebShop \[SEP\] )?Instruction: \[SEP\] (.*?) \[SEP\] ", re.DOTALL)
 
 
 def parse_action(text: str) -> str | None:
     """The stripped content of the last ``<action>...</action>`` in ``text``, or None (none / empty)."""
-    found = _ACTION_TAG_RE.findall(text or "")
+    found = tag_contents(text or "", "action", ignore_case=True)
     if not found:
         return None
     action = " ".join(found[-1].split())
