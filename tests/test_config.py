@@ -256,6 +256,8 @@ def test_env_values_are_type_and_range_checked(env, values, message):
     ("trainer", {"device": "gpu"}, "trainer.device='gpu': must be one of cpu, cuda, auto"),
     ("trainer", {"temperature": 0}, "trainer.temperature=0: must be a finite number > 0"),
     ("trainer", {"top_p": 1.5}, r"trainer.top_p=1.5: must be a finite number in \(0, 1\]"),
+    ("trainer", {"top_p": 0.9}, r"trainer.top_p=0.9: training needs 1.0; the trainer's log-probs have no nucleus "
+                                r"truncation, so with a behaviour-log-prob loss the on-policy ratio"),
     ("trainer", {"train_workers": 0}, "trainer.train_workers=0"),
     ("trainer", {"torch_threads": 0}, "trainer.torch_threads=0: must be null or an integer >= 1"),
     ("trainer", {"micro_batch_size": "all"}, "trainer.micro_batch_size='all'"),
@@ -290,3 +292,27 @@ def test_trainer_yaml_driver_mirrors_driver_config():
     driver = _group("trainer/default.yaml")["driver"]
     assert set(driver) == {f.name for f in dataclasses.fields(DriverConfig)}
     assert driver["keep_last"] >= 2  # the documented default leaves a previous checkpoint to fall back to
+
+
+def test_a_truncated_sampler_is_refused_for_training_in_one_line_and_top_p_1_passes(tmp_path):
+    """top_p < 1 / top_k > 0: the trainer's pi_theta is the full tempered softmax, the sampler's mu is truncated, so
+    the on-policy ratio of every behaviour-log-prob loss would not be 1; refused at config time, in one line naming
+    the key (the whole run's config too, before anything loads)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from async_rl.train import check_run_config
+    from async_rl.validation import check_training_sampling
+
+    check_training_sampling(1.0)
+    check_training_sampling(1.0, top_k=-1)
+    check_training_sampling(1.0, top_k=0)
+    with pytest.raises(ConfigError, match=r"^trainer.top_k=40: training needs top_k off") as error:
+        check_training_sampling(1.0, top_k=40)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match=r"^trainer.top_p=0.95: training needs 1.0; .*top-p is for evaluation only"):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            cfg = compose(config_name="config", overrides=["trainer.top_p=0.95", f"trainer.output_dir={tmp_path}"])
+        check_run_config(cfg)
+    assert not any(tmp_path.iterdir())  # nothing built

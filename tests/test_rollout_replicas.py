@@ -542,3 +542,54 @@ def test_a_plain_verl_token_output_gets_its_text_decoded_and_its_finish_reason_r
     assert out.finish_reason == "aborted" and out.versions == [7, 7] and out.text == tokenizer.decode(ids[:2])
     with pytest.raises(ValueError, match="give the pool the tokenizer"):
         token_output_to_generation(_request("x", [1]), reply, 0, None)
+
+
+def test_an_engine_error_fails_its_request_as_an_engine_fault_never_resubmitted_never_scored(ray_cluster):
+    """A replica reply "aborted" with stop_reason ENGINE_ERROR (the vLLM server's mapping of vLLM's "error" finish):
+    the pool ends the request at once (no resubmission, unlike an abort by a weight update), counts it under
+    rollout/engine_errors (not as a driver or replica abort) and the episode ends aborted with its own reason, which
+    is not counted as an env failure; a healthy request on the same replica finishes normally."""
+    import ray
+
+    from async_rl.driver.episode import Episode, EpisodeLimits
+    from async_rl.rollout.client import ReplicaPool
+    from async_rl.rollout.replica import ENGINE_ERROR, VersionedTokenOutput
+
+    calls = []
+
+    class _Generate:
+        def remote(self, prompt_ids, sampling_params, request_id):
+            calls.append(request_id)
+            if request_id.startswith("bad"):
+                reply = VersionedTokenOutput(token_ids=[7, 8], log_probs=[-0.5, -0.7], stop_reason="aborted",
+                                             versions=[0, 0], finish_reason="aborted", stop_detail=ENGINE_ERROR)
+            else:
+                reply = VersionedTokenOutput(token_ids=[7], log_probs=[-0.5], stop_reason="completed", versions=[0],
+                                             finish_reason="length", text="x")
+            return ray.put(reply)
+
+    class _Value:
+        def __init__(self, value):
+            self.value = value
+
+        def remote(self, *args, **kwargs):
+            return ray.put(self.value)
+
+    server = type("Server", (), {})()
+    server.generate, server.get_pid, server.ping = _Generate(), _Value(1), _Value({"stalled_s": 0.0})
+    replica = type("Replica", (), {})()
+    replica.servers = [server]
+    pool = ReplicaPool([replica], "vllm", health_check_s=60.0)
+    sampling = SamplingParams(max_new_tokens=8)
+    bad, good = pool.generate([GenerationRequest("bad/turn0", [1, 2], sampling),
+                               GenerationRequest("good/turn0", [1, 2], sampling)])
+    assert (bad.finish_reason, bad.stop_reason, bad.token_ids) == ("aborted", ENGINE_ERROR, [7, 8])
+    assert (good.finish_reason, good.token_ids) == ("length", [7])
+    assert calls.count("bad/turn0") == 1 and not any(c.startswith("bad/turn0#") for c in calls)
+    assert pool.counters["engine_errors"] == 1 and pool.counters["resubmitted"] == 0
+    assert pool.counters["driver_aborted"] == pool.counters["replica_aborted"] == 0
+    assert pool.metrics()["rollout/engine_errors"] == 1.0 and pool.alive == [True]
+    # the episode: aborted (dropped from its group, never scored), with the engine fault as its reason
+    episode = Episode(None, {"id": 0}, None, sampling, EpisodeLimits(), "bad", "g", 1, 0)
+    assert episode.take_output(bad) is None and episode.finished
+    assert episode.trajectory.aborted and episode.trajectory.abort_reason == "generation aborted"

@@ -188,6 +188,106 @@ def test_a_response_spanning_an_update_keeps_its_prefix_and_its_logprobs_equal_t
     assert pool.policy_version == 1 and pool.update_latencies_s[-1] > 0
 
 
+# measured here (2 cores, load ~4): generate() returned 0.003-0.005 s after abort_requests, with 7 and 17 tokens;
+# before the fix the same request ran on to its 480-token budget (1.3 s). 5 s leaves room for a loaded machine.
+ABORT_BOUND_S = 5.0
+
+
+def test_an_abort_stops_vllm_generating_original_and_resubmitted_requests_with_their_tokens_so_far(replicas):
+    """abort_requests ends a running request in vLLM itself (its internal id is "{id}-{random}"; the external id
+    reaches it): generate() returns within ABORT_BOUND_S with finish "aborted" and the tokens so far (a prefix of a
+    480-token budget, extending what progress() showed), and the engine holds no request afterwards. The same for a
+    request the server resubmitted after a pause (vLLM id "{id}#1"), and for an abort sent through the pool."""
+    import ray
+
+    from async_rl.rollout.replica import sampling_to_server_dict
+
+    server = replicas["recompute"].servers[0]
+    budget = 480
+    sampling = sampling_to_server_dict(_sampling(budget, seed=7), "hf")
+    for request_id, resubmit in (("x0", False), ("x1", True)):
+        resubmitted_before = ray.get(server.ping.remote())["counters"]["resubmitted"]
+        ref = server.generate.remote(prompt_ids=PROMPT, sampling_params=sampling, request_id=request_id)
+        seen = _wait_for_tokens(server, request_id, 5)
+        if resubmit:  # recompute mode: vLLM drops it at the pause; the server resubmits it after the resume
+            ray.get(server.abort_all_requests.remote())
+            ray.get(server.resume_generation.remote())
+            seen = _wait_for_tokens(server, request_id, len(seen["token_ids"]) + 5)
+            assert ray.get(server.ping.remote())["counters"]["resubmitted"] == resubmitted_before + 1
+        started = time.monotonic()
+        reply = ray.get(server.abort_requests.remote([request_id]))
+        out = ray.get(ref, timeout=60)
+        elapsed = time.monotonic() - started
+        assert reply["aborted_count"] == 1 and out.finish_reason == "aborted" and out.stop_reason == "aborted"
+        assert elapsed <= ABORT_BOUND_S, f"{request_id}: generate() returned {elapsed:.2f} s after the abort"
+        assert len(seen["token_ids"]) <= len(out.token_ids) < budget, (request_id, len(out.token_ids))
+        assert out.token_ids[:len(seen["token_ids"])] == seen["token_ids"] and len(out.log_probs) == len(out.token_ids)
+        assert ray.get(server.engine_request_ids.remote()) == [] and request_id not in ray.get(server.progress.remote())
+    # through the pool (the driver's abort: Li2SAO's switch, staleness drops): vLLM stops it too
+    pool = _pool(replicas, "recompute")
+    pool.add_requests([GenerationRequest("x2", PROMPT, _sampling(budget, seed=8))])
+    _wait_for_tokens(server, "x2", 5)
+    [dropped] = pool.abort(["x2"])
+    assert dropped.finish_reason == "aborted" and not pool.has_unfinished
+    deadline = time.monotonic() + ABORT_BOUND_S
+    while ray.get(server.engine_request_ids.remote()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ray.get(server.engine_request_ids.remote()) == [] and ray.get(server.progress.remote()) == {}
+
+
+def test_vllm_finish_reasons_map_faithfully():
+    """Every finish reason vLLM 0.27.1 can report has a mapping: "error" (and anything unknown) is an engine fault,
+    "repetition" (never requested: we set no repetition_detection) a truncation like "length"."""
+    from vllm.v1.engine import FINISH_REASON_STRINGS
+
+    from async_rl.rollout.replica import ENGINE_ERROR
+    from async_rl.rollout.vllm_engine import VLLM_FINISH_REASONS, finish_from_vllm
+
+    assert set(FINISH_REASON_STRINGS) == set(VLLM_FINISH_REASONS)
+    assert [finish_from_vllm(r) for r in ("stop", "length", "abort", "error", "repetition")] == [
+        ("stop", None), ("length", None), ("aborted", None), ("aborted", ENGINE_ERROR), ("length", None)]
+    assert finish_from_vllm("something new") == ("aborted", ENGINE_ERROR)
+
+
+def test_stale_mode_never_serves_a_new_request_prefix_cache_kv_of_older_weights(replicas, vllm_model):
+    """Stale mode keeps vLLM's cache across an update (its running requests keep their KV), but a request submitted
+    after the update must not reuse prefix-cache blocks computed under the old weights: its log-probs equal teacher
+    forcing under the new weights on the full context (1e-4), not on v0's KV of the cached 128-token block (the two
+    differ by > 1e-3), and vLLM reports no cached prompt token for it. Under the same weights the cache still serves
+    (>= one 128-token block, vLLM's CPU block size)."""
+    import ray
+
+    temperature = 0.7
+    server = replicas["stale"].servers[0]
+    pool = _pool(replicas, "stale")
+    v0 = _perturbed(vllm_model, seed=0, scale=0.0)
+    v1 = _perturbed(vllm_model, seed=21)
+    pool.update_weights(v0, 0)
+    prompt = [40 + (7 * i) % 50 for i in range(200)]  # one full 128-token block and more
+
+    def cached_tokens() -> int:
+        return ray.get(server.ping.remote())["counters"]["prefix_cached_tokens"]
+
+    pool.generate([GenerationRequest("c0", prompt, _sampling(4, temperature=temperature, seed=1))])
+    before = cached_tokens()
+    pool.generate([GenerationRequest("c1", prompt, _sampling(4, temperature=temperature, seed=1))])
+    assert cached_tokens() - before >= 128  # the prefix cache is on and serves under the same weights
+    pool.update_weights(v1, 1)
+    before = cached_tokens()
+    [out] = pool.generate([GenerationRequest("c2", prompt, _sampling(16, temperature=temperature, seed=2))])
+    assert cached_tokens() == before, "a request after the update reused prefix-cache KV of the old weights"
+    assert out.versions == [1] * 16
+    context, start = prompt + out.token_ids, len(prompt)
+    got = torch.tensor(out.logprobs, dtype=torch.float64)
+    fresh = _teacher_forced(vllm_model, v1, context, start, temperature)
+    on_old_block = _teacher_forced(vllm_model, v1, context, start, temperature, past_state=v0, stale_until=128)[-16:]
+    assert (got - fresh).abs().max() <= 1e-4
+    assert (fresh - on_old_block).abs().max() > 1e-3
+    before = cached_tokens()
+    pool.generate([GenerationRequest("c3", prompt, _sampling(4, temperature=temperature, seed=1))])
+    assert cached_tokens() - before >= 128  # and under the new weights the cache serves again
+
+
 def test_start_up_failures_end_at_once_with_one_line_naming_the_fix(ray_cluster, tmp_path, monkeypatch):
     """head_dim 16 on CPU is refused before any process starts; without vLLM the engine name points at the install."""
     from async_rl.models.tiny import make_tiny_model

