@@ -21,16 +21,15 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+# only light modules at import time (no torch, Ray, verl or transformers): `python -m async_rl.train` composes and
+# checks the config first (async_rl.cli_config, check_config) and reports a mistake in about a second; the heavy
+# modules are imported inside the functions that build the run
+from async_rl.cli_config import REPO_CONF, compose_command_line
 from async_rl.config import AlgorithmConfig, algorithm_config_from_dict
-from async_rl.driver.checkpoint import CheckpointError, list_checkpoints
-from async_rl.driver.driver import DriverConfig
-from async_rl.driver.episode import EpisodeLimits
-from async_rl.models.loading import check_attn_implementation
-from async_rl.rollout.client import ReplicaSettings
-from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,
+from async_rl.driver.settings import DriverConfig
+from async_rl.rollout.settings import ReplicaSettings
+from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,  # noqa: F401
                                  check_value, first_line)
-
-REPO_CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def _resolve_device(name: str) -> str:
@@ -221,12 +220,11 @@ class CheckedRun:
     device: str
 
 
-def check_run_config(cfg: DictConfig) -> CheckedRun:
-    """Type- and range-check every config value (``async_rl.validation``), their combinations and the
-    machine (GPU, model files), loading and writing nothing. A bad value raises
-    :class:`~async_rl.validation.ConfigError` with one line naming the key, the value and what is allowed
-    (``FileNotFoundError`` / ``RuntimeError`` from :func:`check_machine`); the CLI prints it as
-    ``error: <message>`` and exits with status 2."""
+def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
+    """Type- and range-check every config value (``async_rl.validation``) and their combinations, loading and
+    writing nothing and importing no heavy module (torch, Ray, verl, transformers): the CLI runs it before those
+    load. A bad value raises :class:`~async_rl.validation.ConfigError` with one line naming the key, the value
+    and what is allowed. Normalised values (1e3 given for an int is 1000) are stored back into ``cfg``."""
     try:
         groups = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("algorithm", "env", "model",
                                                                                       "trainer")}
@@ -254,14 +252,30 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
         rollout = ReplicaSettings.from_config(cfg.get("rollout"))
         if trainer.get("workers") == "ray":
             rollout.check_placement(int(trainer.get("train_workers", 1)))
-    except ValueError as err:
+    except (ValueError, TypeError, RuntimeError) as err:
         raise ConfigError(str(err)) from err
     checkpoints = Path(trainer.get("output_dir", "outputs")) / trainer.get("run_name", "run") / "checkpoints"
-    if not trainer.get("resume", False) and driver_cfg.checkpoint_every and list_checkpoints(checkpoints):
+    if not trainer.get("resume", False) and driver_cfg.checkpoint_every and _has_checkpoints(checkpoints):
         # a fresh run would mix its checkpoints with the earlier run's (and pruning would keep the wrong ones)
         raise ConfigError(f"trainer.resume=false: {checkpoints} holds checkpoints of an earlier run; set "
                           "trainer.resume=true to continue it, or another trainer.run_name (or move that "
                           "directory away) to start over")
+    return algo, driver_cfg
+
+
+def _has_checkpoints(folder: Path) -> bool:
+    from async_rl.driver.checkpoint import list_checkpoints
+
+    return folder.is_dir() and bool(list_checkpoints(folder))
+
+
+def check_run_config(cfg: DictConfig) -> CheckedRun:
+    """:func:`check_config`, then the machine (GPU, model files, device, attention kernel). A bad value raises
+    :class:`~async_rl.validation.ConfigError` with one line naming the key, the value and what is allowed
+    (``FileNotFoundError`` / ``RuntimeError`` from :func:`check_machine`); the CLI prints it as
+    ``error: <message>`` and exits with status 2."""
+    algo, driver_cfg = check_config(cfg)
+    trainer = cfg.trainer
     check_machine(cfg)
     device = _resolve_device(trainer.get("device", "auto"))
     if device == "cuda":
@@ -270,8 +284,10 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda: no CUDA GPU is visible (torch.cuda.is_available() is False); "
                               "use trainer.device=cpu or trainer.device=auto")
+    from async_rl.models.loading import check_attn_implementation
+
     try:  # flash_attention_2 without flash-attn, a GPU or bf16: refused before any model is built
-        check_attn_implementation(checked["model"].get("attn_implementation", "sdpa"), device, trainer.get("precision", "fp32"))
+        check_attn_implementation(cfg.model.get("attn_implementation", "sdpa"), device, trainer.get("precision", "fp32"))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return CheckedRun(algo, driver_cfg, device)
@@ -287,7 +303,9 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         torch.set_num_threads(int(cfg.trainer.torch_threads))
 
     import async_rl.envs.toy  # noqa: F401  (registers the embedded envs)
+    import async_rl.verl_plugin  # noqa: F401  (our estimators and losses in verl's registries; the CLI defers it)
     from async_rl.driver.build import RunSpec, build_concurrent_driver, build_deterministic_driver
+    from async_rl.driver.episode import EpisodeLimits
     from async_rl.engine.settings import TrainingSettings
     from async_rl.plots import plot_run
     from async_rl.tracking import RunLogger
@@ -402,14 +420,20 @@ def with_run_dir_overrides(argv: list[str]) -> list[str]:
     return list(argv) + [f"{key}={value}" for key, value in RUN_DIR_OVERRIDES.items() if key not in given]
 
 
+def _config_error(err: BaseException) -> None:
+    """A config the user must fix is not a crash: one line, no traceback, exit status 2 (as argparse)."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 @hydra.main(config_path=REPO_CONF, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
-    # a bad value is the user's to fix, not a crash: one line, no traceback, exit status 2 (as argparse)
     try:
         checked = check_run_config(cfg)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _config_error(err)
+    from async_rl.driver.checkpoint import CheckpointError
+
     try:
         run(cfg, checked)
     except CheckpointError as err:
@@ -418,8 +442,19 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The CLI: ``argv`` (default ``sys.argv[1:]``) as Hydra arguments, with the run-directory overrides."""
-    sys.argv = [sys.argv[0], *with_run_dir_overrides(sys.argv[1:] if argv is None else list(argv))]
+    """The CLI: ``argv`` (default ``sys.argv[1:]``) as Hydra arguments, with the run-directory overrides.
+
+    The config is composed and checked (:func:`async_rl.cli_config.compose_command_line`, :func:`check_config`)
+    before torch, Ray, verl or transformers are imported: a mistyped group, key or value ends the process with
+    one ``error: ...`` line and exit status 2 in about a second."""
+    args = with_run_dir_overrides(sys.argv[1:] if argv is None else list(argv))
+    try:
+        cfg = compose_command_line(args)
+        if cfg is not None:
+            check_config(cfg)
+    except (ValueError, TypeError) as err:
+        _config_error(err)
+    sys.argv = [sys.argv[0], *args]
     _hydra_main()
 
 
