@@ -11,7 +11,10 @@ metrics.jsonl, plots and an offline wandb run, all under ``outputs/<run_name>/``
 from __future__ import annotations
 
 import json
+import shlex
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +146,8 @@ def summarize(history: list[dict], driver, env_name: str = "") -> dict[str, Any]
         "dropped_stale": driver.buffer.counters.dropped_stale,
         "aborted": driver.buffer.counters.aborted,
         "wall_s": history[-1].get("perf/wall_s") if history else None,
+        # seconds this process spent writing checkpoints (with the policy export each one refreshes)
+        "checkpoint_s": driver.time.checkpoint_s,
         # which phases of the algorithm and task happened, and a warning for each one that did not
         **phase_report(history, driver.learner.cfg.name, env_name, driver.stats.switch_step,
                        bool(driver.learner.gate.forced) if getattr(driver.learner, "gate", None) is not None
@@ -209,6 +214,51 @@ def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_di
     model_dir = export_run_policy(actor, model_path, run_dir, cfg.trainer.output_dir, info, reserved_ids=reserved)
     print(f"exported the trained policy to {model_dir} (evaluate it: make eval MODEL={model_dir})")
     return model_dir
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM ended the run (a BaseException, like KeyboardInterrupt: no ``except Exception`` on the
+    way keeps it). ``step``: the last trained step (None: before training began); ``checkpoint``: where the run
+    can resume from (None: nothing kept). The CLI prints :meth:`line` and exits with ``128 + signal``."""
+
+    def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None,
+                 run_dir: Path | None = None, at_once: bool = False):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step, self.checkpoint, self.run_dir, self.at_once = signum, step, checkpoint, run_dir, at_once
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + int(self.signum)  # 130 for SIGINT, 143 for SIGTERM (shell convention)
+
+    def line(self, argv: list[str] | None) -> str:
+        name = signal.Signals(self.signum).name
+        if self.step is None:
+            return f"interrupted by {name} before training began; nothing to keep (rerun the same command)"
+        head = f"interrupted by {name} at step {self.step}" + (" (second signal: stopped at once)" if self.at_once
+                                                                else "")
+        if self.checkpoint is None:
+            return f"{head}; no checkpoint to resume from (no step was checkpointed): rerun the same command"
+        command = "trainer.resume=true"
+        if argv is not None:  # the user's own command line, with trainer.resume=true
+            kept = [a for a in argv if a.split("=", 1)[0].lstrip("+~") != "trainer.resume"]
+            command = shlex.join(["python", "-m", "async_rl.train", *kept, "trainer.resume=true"])
+        return f"{head}; checkpoint {self.checkpoint}; resume with: {command}"
+
+
+#: the command line of this process when launched as the CLI (main), for the resume hint
+_CLI_ARGV: list[str] | None = None
+
+
+def _raise_interrupted(signum, frame) -> None:
+    """Outside the training loop (building, warm start, export), a signal stops the run at once."""
+    raise Interrupted(signum)
+
+
+def _install_signal_handlers(handler) -> dict:
+    """``handler`` for SIGINT and SIGTERM (main thread only: Python delivers signals there); returns the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 @dataclass
@@ -367,7 +417,27 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         logger = RunLogger(run_dir, cfg.trainer.project, cfg.trainer.run_name,
                            OmegaConf.to_container(cfg, resolve=True), use_wandb=cfg.trainer.wandb,
                            resume_step=driver.learner.step if resumed else None, history=driver.history)
-        history = driver.run()
+        def stop_at_next_cut(signum, frame) -> None:
+            """First signal: finish the step in progress, checkpoint it, stop; a second one stops at once."""
+            if driver.stop_reason is None:
+                driver.request_stop(signal.Signals(signum).name)
+                print(f"{signal.Signals(signum).name}: stopping after the step in progress and writing a checkpoint "
+                      "(send it again to stop at once)", file=sys.stderr, flush=True)
+                return
+            last = driver.last_checkpoint
+            raise Interrupted(signum, int(driver.learner.step), last[1] if last else None, run_dir, at_once=True)
+
+        from async_rl.driver.core import RunStopped
+
+        previous = _install_signal_handlers(stop_at_next_cut)
+        try:
+            history = driver.run()
+        except RunStopped as stopped:
+            signum = getattr(signal.Signals, stopped.reason, signal.SIGINT)
+            raise Interrupted(int(signum), stopped.step, stopped.checkpoint, run_dir) from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         bar.close()
         summary = summarize(history, driver, cfg.env.name)
         summary["total_wall_s"] = time.perf_counter() - started
@@ -439,6 +509,16 @@ def _hydra_main(cfg: DictConfig) -> None:
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Interrupted as stop:
+        _report_interrupted(stop)
+    except KeyboardInterrupt:  # a SIGINT before our handler was installed
+        _report_interrupted(Interrupted(signal.SIGINT))
+
+
+def _report_interrupted(stop: Interrupted) -> None:
+    """One line (no traceback), exit status 130 (SIGINT) or 143 (SIGTERM)."""
+    print(stop.line(_CLI_ARGV), file=sys.stderr, flush=True)
+    sys.exit(stop.exit_status)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -454,8 +534,21 @@ def main(argv: list[str] | None = None) -> None:
             check_config(cfg)
     except (ValueError, TypeError) as err:
         _config_error(err)
+    global _CLI_ARGV
+    _CLI_ARGV = sys.argv[1:] if argv is None else list(argv)
     sys.argv = [sys.argv[0], *args]
-    _hydra_main()
+    # SIGTERM's default ends the process without any cleanup; from here on both signals end the run in one line
+    # (the training loop installs its own handler: stop after the step in progress, with a checkpoint)
+    previous = _install_signal_handlers(_raise_interrupted)
+    try:
+        _hydra_main()
+    except Interrupted as stop:  # before the config was composed: nothing started
+        _report_interrupted(stop)
+    except KeyboardInterrupt:
+        _report_interrupted(Interrupted(signal.SIGINT))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

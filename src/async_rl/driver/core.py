@@ -58,6 +58,18 @@ class SwitchPhase(str, enum.Enum):
     DONE = "done"  # single rollout for the rest of the run
 
 
+class RunStopped(Exception):
+    """The run stopped early at a cut because :meth:`RunCore.request_stop` was called (SIGINT/SIGTERM in the
+    CLI). ``checkpoint``: the checkpoint holding step ``step`` (None when no step had trained, or the driver has
+    no checkpoint directory)."""
+
+    def __init__(self, reason: str, step: int, checkpoint: Optional[Path]):
+        super().__init__(f"stopped at step {step} ({reason})")
+        self.reason = reason
+        self.step = step
+        self.checkpoint = checkpoint
+
+
 @dataclass
 class RunStats:
     """Counters a checkpoint carries (the deterministic scheduler's ticks among them)."""
@@ -77,6 +89,7 @@ class RealTime:
     start: float = field(default_factory=time.perf_counter)
     training_s: float = 0.0  # inside Learner.train_step
     rollout_busy_s: float = 0.0  # launching and generating
+    checkpoint_s: float = 0.0  # writing checkpoints (and what on_checkpoint does: the policy's export)
 
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.start, 1e-9)
@@ -102,6 +115,9 @@ class RunCore(abc.ABC):
         # called with the checkpoint's path after each save (train.py exports the policy as a model there)
         self.on_checkpoint: Optional[Callable[[Path], None]] = None
         self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
+        self.last_checkpoint: Optional[tuple[int, Path]] = None  # (step, path) of the newest one saved or loaded
+        # set by request_stop (a signal handler): the scheduler stops at its next cut (RunStopped)
+        self.stop_reason: Optional[str] = None
         self.switch = SwitchPhase.NONE
         self.kept_groups: set[str] = set()
         self.stats = RunStats()
@@ -257,12 +273,15 @@ class RunCore(abc.ABC):
         the newest ``keep_last`` checkpoints (:mod:`async_rl.driver.checkpoint`). Worker-group trainers
         (``trainer.workers=ray``) write their model and optimizer shards into ``step_<N>.pt.shards/``, every
         rank its own, committed by the same rename."""
+        started = time.perf_counter()
         shards = self.learner.save_model_shards if self.learner.model_state_sharded else None
         with self._at_cut():
             path = write_checkpoint(self.state_dict(), self.checkpoint_dir, self.learner.step, write_shards=shards)
         prune_checkpoints(self.checkpoint_dir, self.learner.step, self.cfg.keep_last)
+        self.last_checkpoint = (self.learner.step, path)
         if self.on_checkpoint is not None:
             self.on_checkpoint(path)
+        self.time.checkpoint_s += time.perf_counter() - started
         return path
 
     def resume(self, path: Optional[str | Path] = None) -> bool:
@@ -274,4 +293,25 @@ class RunCore(abc.ABC):
         usable or the one read does not fit this run's config; a failed resume changes no file.
         """
         self.resumed_from = resume_checkpoint(self.load_state_dict, self.checkpoint_dir, path)
+        if self.resumed_from is not None:
+            self.last_checkpoint = (self.learner.step, self.resumed_from)
         return self.resumed_from is not None
+
+    # ------------------------------------------------------------------ stopping early
+    def request_stop(self, reason: str) -> None:
+        """Ask the scheduler to stop at its next cut (where a periodic checkpoint could be taken): safe to call
+        from a signal handler; the run then ends with :class:`RunStopped` after :meth:`stop_at_cut`."""
+        self.stop_reason = reason
+
+    def stop_at_cut(self) -> None:
+        """Called by a scheduler at a cut once a stop was requested: write a final checkpoint when a step has
+        trained since the newest one (nothing trained: nothing worth keeping), then raise :class:`RunStopped`.
+        The checkpoint is the one a periodic save at this step would write, so a resumed run continues as the
+        uninterrupted run would."""
+        path = None
+        if self.learner.step > 0 and self.checkpoint_dir is not None:
+            if self.last_checkpoint is not None and self.last_checkpoint[0] == self.learner.step:
+                path = self.last_checkpoint[1]
+            else:
+                path = self.save_checkpoint()
+        raise RunStopped(self.stop_reason or "stop requested", self.learner.step, path)
