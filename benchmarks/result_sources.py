@@ -78,6 +78,8 @@ RESULT_SOURCES: dict[str, list[str]] = {
                                "src/async_rl/train.py", "src/async_rl/cli_config.py", "src/async_rl/config.py",
                                "src/async_rl/validation.py", "src/async_rl/driver/settings.py",
                                "src/async_rl/rollout/settings.py"],
+    "checkpoint_cost.json": ["benchmarks/checkpoint_cost.py", "conf", "src/async_rl/train.py", "src/async_rl/run_dir.py",
+                             *_CLI, *_TRAINING],
     "kl_guard_replay.json": ["benchmarks/kl_guard_replay.py", "benchmarks/stability_map.py", "benchmarks/_common.py",
                              "benchmarks/results/stability_map.json", "src/async_rl/driver/kl_guard.py",
                              "src/async_rl/run_summary.py"],

@@ -297,7 +297,9 @@ def test_fresh_run_refuses_to_mix_its_checkpoints_with_an_earlier_runs(uninterru
     before = _snapshot(run_dir)
     again = _cli(_overrides(tmp_path, "straight"))
     assert again.returncode == 2
-    assert "trainer.resume=false" in again.stderr and "holds checkpoints of an earlier run" in again.stderr
+    assert again.stderr.strip() == (f"error: {run_dir} holds the outputs of another run (checkpoints/, config.json, "
+                                    "metrics.jsonl, summary.json, training.png); continue it with trainer.resume=true, "
+                                    "replace it with trainer.overwrite=true, or choose another trainer.run_name")
     assert _snapshot(run_dir) == before
 
 

@@ -31,6 +31,7 @@ from async_rl.cli_config import REPO_CONF, compose_command_line
 from async_rl.config import AlgorithmConfig, algorithm_config_from_dict
 from async_rl.driver.settings import DriverConfig
 from async_rl.rollout.settings import ReplicaSettings
+from async_rl.run_dir import RunLock, check_run_dir, clear_outputs
 from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,  # noqa: F401
                                  check_value, first_line)
 
@@ -240,7 +241,7 @@ class Interrupted(BaseException):
             return f"{head}; no checkpoint to resume from (no step was checkpointed): rerun the same command"
         command = "trainer.resume=true"
         if argv is not None:  # the user's own command line, with trainer.resume=true
-            kept = [a for a in argv if a.split("=", 1)[0].lstrip("+~") != "trainer.resume"]
+            kept = [a for a in argv if a.split("=", 1)[0].lstrip("+~") not in ("trainer.resume", "trainer.overwrite")]
             command = shlex.join(["python", "-m", "async_rl.train", *kept, "trainer.resume=true"])
         return f"{head}; checkpoint {self.checkpoint}; resume with: {command}"
 
@@ -304,19 +305,30 @@ def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
             rollout.check_placement(int(trainer.get("train_workers", 1)))
     except (ValueError, TypeError, RuntimeError) as err:
         raise ConfigError(str(err)) from err
-    checkpoints = Path(trainer.get("output_dir", "outputs")) / trainer.get("run_name", "run") / "checkpoints"
-    if not trainer.get("resume", False) and driver_cfg.checkpoint_every and _has_checkpoints(checkpoints):
-        # a fresh run would mix its checkpoints with the earlier run's (and pruning would keep the wrong ones)
-        raise ConfigError(f"trainer.resume=false: {checkpoints} holds checkpoints of an earlier run; set "
-                          "trainer.resume=true to continue it, or another trainer.run_name (or move that "
-                          "directory away) to start over")
+    # one run per folder: another run's outputs (metrics, checkpoints, model, eval, plots) are never mixed
+    # with this one's unless it resumes that run or replaces it (async_rl.run_dir)
+    check_run_dir(run_dir_of(cfg), bool(trainer.get("resume", False)), bool(trainer.get("overwrite", False)))
     return algo, driver_cfg
 
 
-def _has_checkpoints(folder: Path) -> bool:
-    from async_rl.driver.checkpoint import list_checkpoints
+def run_dir_of(cfg: DictConfig) -> Path:
+    return Path(cfg.trainer.output_dir) / cfg.trainer.run_name
 
-    return folder.is_dir() and bool(list_checkpoints(folder))
+
+_CLEARED: set[str] = set()  # run dirs this process has emptied for trainer.overwrite=true
+
+
+def claim_run_dir(cfg: DictConfig) -> RunLock:
+    """Take the run folder's lock (:class:`~async_rl.run_dir.RunLock`: a live run elsewhere raises
+    :class:`ConfigError`); with ``trainer.overwrite=true``, delete the earlier run's outputs first (once)."""
+    run_dir = run_dir_of(cfg)
+    lock = RunLock.acquire(run_dir)
+    if cfg.trainer.get("overwrite", False) and str(run_dir.resolve()) not in _CLEARED:
+        removed = clear_outputs(run_dir)
+        _CLEARED.add(str(run_dir.resolve()))
+        if removed:
+            print(f"trainer.overwrite=true: deleted the earlier run's {', '.join(removed)} in {run_dir}", flush=True)
+    return lock
 
 
 def check_run_config(cfg: DictConfig) -> CheckedRun:
@@ -377,7 +389,9 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         workers=cfg.trainer.workers, train_workers=cfg.trainer.train_workers,
         rollout=ReplicaSettings.from_config(cfg.get("rollout")),
     )
-    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    run_dir = run_dir_of(cfg)
+    own_lock = RunLock.held(run_dir) is None  # the CLI took it before Hydra started; a direct call takes it here
+    lock = claim_run_dir(cfg)
     logger = None  # opened once a resume has succeeded: a failed resume leaves metrics.jsonl as it was
     from tqdm import tqdm
 
@@ -461,6 +475,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
 
             groups.worker_groups.shutdown()
             ray.shutdown()
+        if own_lock:
+            lock.release()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n== summary ==")
     for key, value in summary.items():
@@ -528,10 +544,12 @@ def main(argv: list[str] | None = None) -> None:
     before torch, Ray, verl or transformers are imported: a mistyped group, key or value ends the process with
     one ``error: ...`` line and exit status 2 in about a second."""
     args = with_run_dir_overrides(sys.argv[1:] if argv is None else list(argv))
+    lock = None
     try:
         cfg = compose_command_line(args)
         if cfg is not None:
             check_config(cfg)
+            lock = claim_run_dir(cfg)  # held for the whole run; Hydra's train.log is opened after this
     except (ValueError, TypeError) as err:
         _config_error(err)
     global _CLI_ARGV
@@ -549,6 +567,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":
