@@ -3,6 +3,7 @@ resumes or overwrites it; a lock keeps a second live run out, and the lock of a 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -133,3 +134,38 @@ def test_the_cli_refuses_a_live_runs_folder_and_a_finished_ones_in_one_line(tmp_
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().startswith(f"error: {live} is in use by another run (pid {holder.pid} on ")
     assert sorted(p.name for p in live.iterdir()) == [LOCK_NAME]  # no train.log: refused before Hydra started
+
+
+def _model(folder: Path, step: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "async_rl": {
+        "run_name": "r", "step": step, "exported_at": f"2026-12-06T10:0{step}:00+0000"}}))
+    (folder / "model.safetensors").write_bytes(b"w" * (100 + step))
+    return folder
+
+
+def test_eval_results_record_their_model_and_plots_draw_only_the_runs_own(tmp_path, capsys):
+    from async_rl.plots import load_pass_at_k
+    from async_rl.run_dir import model_identity
+
+    run_dir = tmp_path / "run"
+    model = _model(run_dir / "model", step=4)
+    identity = model_identity(model)
+    assert identity["step"] == 4 and identity["run_name"] == "r" and len(identity["fingerprint"]) == 16
+    (run_dir / "eval").mkdir()
+    report = {"model_dir": str(model), "model": identity, "mean": {"k": [1, 2], "pass": [0.25, 0.5]}}
+    (run_dir / "eval" / "pass_at_k.json").write_text(json.dumps(report))
+    assert load_pass_at_k(run_dir) == {"k": [1, 2], "pass": [0.25, 0.5]}
+
+    _model(run_dir / "model", step=6)  # the run resumed and exported a newer policy: the eval is of step 4
+    assert model_identity(model)["fingerprint"] != identity["fingerprint"]
+    assert load_pass_at_k(run_dir) is None
+    printed = capsys.readouterr().out
+    assert f"evaluates {model} (run r, step 4, exported 2026-12-06T10:04:00+0000), not this run's model" in printed
+    other = _model(tmp_path / "elsewhere", step=6)  # same bytes elsewhere: another export would differ in its record
+    assert model_identity(other)["fingerprint"] == model_identity(model)["fingerprint"]
+
+    del report["model"]  # an evaluation that names no model is not drawn next to a run that has one
+    (run_dir / "eval" / "pass_at_k.json").write_text(json.dumps(report))
+    assert load_pass_at_k(run_dir) is None
+    assert "records no model" in capsys.readouterr().out

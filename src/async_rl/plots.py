@@ -133,6 +133,32 @@ def infer_algorithm(rows: Sequence[Mapping], config: Optional[Mapping[str, Any]]
     return "grpo"
 
 
+def evaluates_run_model(run_dir: str | Path, report: Any) -> Optional[str]:
+    """None when ``report`` (a pass_at_k.json's content) may be drawn with the run in ``run_dir``; else why not.
+
+    A run with an exported model (``<run_dir>/model``) shows only an evaluation that recorded the same model
+    (``async_rl.eval`` writes ``"model"``: :func:`async_rl.run_dir.model_identity`, whose fingerprint changes with
+    every export); an evaluation that records no model cannot be checked and is not drawn there either. A
+    folder without a model (hand-made, or a run with ``trainer.export_model=false``) has nothing to contradict."""
+    from async_rl.run_dir import model_identity
+
+    model = Path(run_dir) / "model"
+    if not (model / "config.json").is_file():
+        return None
+    recorded = report.get("model") if isinstance(report, dict) else None
+    if not isinstance(recorded, dict) or "fingerprint" not in recorded:
+        return (f"it records no model, and {model} may have changed since (rerun the evaluation: "
+                f"make eval MODEL={model})")
+    current = model_identity(model)
+    if recorded["fingerprint"] != current["fingerprint"]:
+        def shown(m):
+            return (f"{m.get('model_dir')}" + (f" (run {m['run_name']}, step {m['step']}, exported {m['exported_at']})"
+                                               if "step" in m else ""))
+        return (f"it evaluates {shown(recorded)}, not this run's model {shown(current)} (rerun: make eval "
+                f"MODEL={model})")
+    return None
+
+
 def _pass_at_k_file(run_dir: str | Path) -> Optional[Path]:
     """``<run_dir>/pass_at_k.json``, else ``<run_dir>/eval/pass_at_k.json`` (where ``async_rl.eval`` writes
     the evaluation of a run's exported model)."""
@@ -144,11 +170,15 @@ def _pass_at_k_file(run_dir: str | Path) -> Optional[Path]:
 
 def load_pass_at_k(run_dir: str | Path) -> Optional[dict[str, list[float]]]:
     """``{"k": [...], "pass": [...]}`` from the run's ``pass_at_k.json`` (see :func:`_pass_at_k_file`); None
-    when there is none."""
+    when there is none, or when it is not the evaluation of this run's model (:func:`evaluates_run_model`)."""
     path = _pass_at_k_file(run_dir)
     if path is None:
         return None
     data = json.loads(path.read_text())
+    mismatch = evaluates_run_model(run_dir, data)
+    if mismatch is not None:
+        print(f"note: {path} is not drawn: {mismatch}", flush=True)
+        return None
     if isinstance(data, dict) and "k" not in data and isinstance(data.get("mean"), dict):
         data = data["mean"]  # the report `python -m async_rl.eval` writes: plot the mean over its sets
     if not isinstance(data, dict) or "k" not in data or "pass" not in data:

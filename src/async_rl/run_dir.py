@@ -13,6 +13,7 @@ Light: standard library only (the CLI checks the folder before torch loads).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -160,3 +161,26 @@ def _read_owner(fd: int) -> dict:
         return owner if isinstance(owner, dict) else {}
     except (OSError, ValueError):
         return {"pid": "?", "host": "?", "started": "?"}
+
+
+def model_identity(model_dir: str | os.PathLike) -> dict:
+    """What an evaluation or a plot records about the model it is of: ``model_dir``, a ``fingerprint`` (SHA-256
+    of ``config.json`` and the names and sizes of the weight files: an async_rl export's config.json carries its
+    run, step and export time, so two exports never share one) and, for an async_rl export, ``run_name``,
+    ``step`` and ``exported_at``. Standard library only."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256()
+    config = model_dir / "config.json"
+    info: dict = {}
+    if config.is_file():
+        raw = config.read_bytes()
+        digest.update(raw)
+        try:
+            info = json.loads(raw).get("async_rl") or {}
+        except (ValueError, AttributeError):
+            info = {}
+    for weights in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    out = {"model_dir": str(model_dir), "fingerprint": digest.hexdigest()[:16]}
+    out.update({key: info[key] for key in ("run_name", "step", "exported_at") if key in info})
+    return out
