@@ -115,6 +115,28 @@ def make_tasks(env_cfg: DictConfig, seed: int) -> list[dict[str, Any]]:
     return env_facts(env_cfg.name).make_tasks(env_cfg, seed)
 
 
+def check_env_at_start(env_cfg: DictConfig) -> None:
+    """The env's own start-up check (``EnvFacts.check_at_start``: WebShop's server health, ReTool's sandbox) on a
+    probe env, before any model loads; a failure raises :class:`ConfigError` with the env's one-line fix."""
+    import async_rl.envs  # noqa: F401
+    from async_rl.envs import make_env
+    from async_rl.envs.facts import env_facts
+
+    facts = env_facts(env_cfg.name)
+    if facts.check_at_start is None:
+        return
+    kwargs = dict(facts.env_kwargs(env_cfg))
+    if facts.multi_turn:
+        kwargs["max_turns"] = int(env_cfg.max_turns)
+    probe = make_env(env_cfg.name, **kwargs)
+    try:
+        facts.check_at_start(probe)
+    except (RuntimeError, OSError, ValueError) as err:
+        raise ConfigError(first_line(err)) from None
+    finally:
+        probe.close()
+
+
 def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
     """Constructor arguments of the env from its config group."""
     import async_rl.envs  # noqa: F401
@@ -373,6 +395,7 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     from async_rl.tracking import RunLogger
 
     tasks = make_tasks(cfg.env, cfg.seed)  # data files are read (and fail) before the model is built
+    check_env_at_start(cfg.env)  # e.g. a WebShop server that does not answer: one line now, not 256 aborts later
     vllm_cpu = cfg.get("rollout") is not None and cfg.rollout.get("engine") == "vllm" and device == "cpu"
     model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks, for_vllm_cpu=vllm_cpu)
     spec = RunSpec(
@@ -522,6 +545,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     try:
         run(cfg, checked)
+    except ConfigError as err:  # found while starting up (an env's server or sandbox), before any model loaded
+        _config_error(err)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
