@@ -70,6 +70,8 @@ RESULT_INPUTS: dict[str, list[str]] = {
     "stability_map.png": ["benchmarks/stability_map.py"],
     "stability_ablation.json": ["benchmarks/stability_map.py"],
     "lisao_demo_seeds.json": ["benchmarks/lisao_demo_seeds.py", "conf"],
+    "config_error_time.json": ["benchmarks/config_error_time.py", "conf", "recipes"],
+    "checkpoint_cost.json": ["benchmarks/checkpoint_cost.py", "conf"],
     "kl_guard_replay.json": ["benchmarks/kl_guard_replay.py", "benchmarks/results/stability_map.json"],
 }
 

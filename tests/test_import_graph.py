@@ -81,9 +81,9 @@ def test_no_import_cycle_in_async_rl():
 # `envs` because the SFT warm start (models/sft.py) trains on the envs' demonstrations; `engine` below `models`
 # because the log-prob kernels run inside the engine's precision root.
 LAYERS: list[set[str]] = [
+    {"validation"},  # config rules (plain Python)
+    {"config"},  # the algorithm's hyperparameters and the plan table (plain Python: the CLI checks before torch)
     {"algos"},  # pure tensor equations (spec)
-    {"validation"},  # config rules
-    {"config"},
     {"sandbox"},
     {"rewards"},
     {"data"},
@@ -94,7 +94,7 @@ LAYERS: list[set[str]] = [
     {"verl_plugin"},  # registers algos' functions (and, lazily, the hf rollout replica) in verl's registries
     {"workers"},
     {"driver"},
-    {"tracking", "run_summary", "plots", "eval", "train"},
+    {"tracking", "run_summary", "plots", "eval", "train", "cli_config", "run_dir"},
 ]
 
 

@@ -130,6 +130,8 @@ def _rows(steps=24, switch_at=None, lag_scale=1.0, with_critic=True, extra=None)
             "async/off_policy_token_ratio": lag_scale * 0.2,
             "async/clock_ticks": 5.0 * s,
             "trainer/step": float(s),
+            "train/reward_mean": 0.2 + 0.02 * s,
+            "rollout/mismatch_kl": 1e-4 * s,
         }
         if with_critic:
             row["critic/explained_var"] = -0.5 + 0.04 * s
@@ -187,16 +189,14 @@ def _close(fig):
     plt.close(fig)
 
 
+_TAIL = ["policy lag", "off-policy tokens", "rollout / trainer mismatch"]
 EXPECTED_PANELS = {
-    "grpo": ["training accuracy", "policy loss", "policy lag / off-policy tokens"],
-    "lisao": ["training accuracy", "critic explained variance", "critic value loss", "policy loss",
-              "policy lag / off-policy tokens"],
-    "ppo": ["training accuracy", "critic explained variance", "critic value loss", "policy loss",
-            "policy lag / off-policy tokens"],
-    "li2sao": ["training accuracy", "critic explained variance", "Li2SAO residual EV e_k", "Li2SAO rank accuracy a_k",
-               "Li2SAO gate counter", "critic value loss", "policy lag / off-policy tokens"],
-    "sapo": ["training accuracy", "SAPO V explained variance", "SAPO V / Q losses", "policy loss",
-             "policy lag / off-policy tokens"],
+    "grpo": ["training accuracy", "reward", "policy loss", *_TAIL],
+    "lisao": ["training accuracy", "reward", "critic explained variance", "critic value loss", "policy loss", *_TAIL],
+    "ppo": ["training accuracy", "reward", "critic explained variance", "critic value loss", "policy loss", *_TAIL],
+    "li2sao": ["training accuracy", "reward", "critic explained variance", "Li2SAO residual EV e_k",
+               "Li2SAO rank accuracy a_k", "Li2SAO gate counter", "critic value loss", *_TAIL],
+    "sapo": ["training accuracy", "reward", "SAPO V explained variance", "SAPO V / Q losses", "policy loss", *_TAIL],
 }
 ALGO_EXTRA = {"grpo": None, "lisao": None, "ppo": None, "li2sao": _li2sao_metrics, "sapo": _sapo_metrics}
 
@@ -414,3 +414,40 @@ def test_plot_reads_the_eval_report_format(tmp_path):
     (tmp_path / "pass_at_k.json").write_text(json.dumps(
         {"sets": {"aime_2024": {"k": [1, 2], "pass": [0.1, 0.2]}}, "mean": {"k": [1, 2], "pass": [0.1, 0.2]}}))
     assert load_pass_at_k(tmp_path) == {"k": [1, 2], "pass": [0.1, 0.2]}
+
+
+def test_trailing_ema_uses_past_steps_only():
+    from async_rl.plots import EMA_LABEL, trailing_ema
+
+    # by hand, α = 2/11: f = [0, 2/11, 2/11 * 9/11]
+    np.testing.assert_allclose(trailing_ema([0.0, 1.0, 0.0], span=10), [0.0, 2 / 11, 18 / 121])
+    x = [0.0] * 5 + [1.0] * 5
+    out = trailing_ema(x)
+    assert list(out[:5]) == [0.0] * 5  # no later step moves an earlier point (a two-sided EMA would)
+    assert two_sided_ema(x)[4] > 0.0
+    np.testing.assert_allclose(trailing_ema(x)[:7], trailing_ema(x[:7]))  # appending steps changes nothing before
+    assert trailing_ema([]).size == 0
+    fig = build_run_figure(_rows(steps=10, with_critic=False), "grpo", {})
+    acc = _panels(fig)["training accuracy"]
+    raw, smooth = acc.lines[0], acc.lines[1]
+    assert raw.get_marker() == "." and smooth.get_label() == EMA_LABEL and "past steps only" in EMA_LABEL
+    np.testing.assert_allclose(smooth.get_ydata(), trailing_ema(raw.get_ydata()))
+    _close(fig)
+
+
+def test_units_panels_and_the_explained_variance_note():
+    rows = _rows(steps=20, with_critic=True)
+    fig = build_run_figure(rows, "lisao", {})
+    panels = _panels(fig)
+    assert panels["policy lag"].get_ylabel() == "versions behind the trainer"
+    assert panels["off-policy tokens"].get_ylabel() == "fraction of model tokens"
+    assert panels["rollout / trainer mismatch"].get_ylabel() == "nats per token"
+    np.testing.assert_allclose(panels["rollout / trainer mismatch"].lines[0].get_ydata(), [1e-4 * s for s in range(1, 21)])
+    assert all(ax.get_xlabel() == "step (optimizer batches)" for ax in panels.values())
+    assert "returns barely vary" not in _texts(panels["critic explained variance"])  # success ~0.7: no note
+    _close(fig)
+    solved = [{**r, "train/success_rate": 1.0} for r in rows]
+    fig = build_run_figure(solved, "lisao", {})
+    assert "returns barely vary" in _texts(_panels(fig)["critic explained variance"])
+    assert sum(ax.get_visible() for ax in fig.axes) == len(ALGORITHM_PANELS["lisao"])
+    _close(fig)

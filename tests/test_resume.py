@@ -297,7 +297,9 @@ def test_fresh_run_refuses_to_mix_its_checkpoints_with_an_earlier_runs(uninterru
     before = _snapshot(run_dir)
     again = _cli(_overrides(tmp_path, "straight"))
     assert again.returncode == 2
-    assert "trainer.resume=false" in again.stderr and "holds checkpoints of an earlier run" in again.stderr
+    assert again.stderr.strip() == (f"error: {run_dir} holds the outputs of another run (checkpoints/, config.json, "
+                                    "metrics.jsonl, summary.json, training.png); continue it with trainer.resume=true, "
+                                    "replace it with trainer.overwrite=true, or choose another trainer.run_name")
     assert _snapshot(run_dir) == before
 
 
@@ -310,3 +312,68 @@ def test_each_checkpoint_exports_the_policy_so_a_killed_run_has_a_model(tmp_path
     model_dir = tmp_path / "out" / "exported" / "model"
     assert (model_dir / "config.json").exists()
     assert exported_model_info(model_dir)["step"] == 2  # the checkpoint at step 2; the run died after step 3
+
+
+# ------------------------------------------------------------------------------------------------------
+# end to end: the CLI stopped with SIGINT / SIGTERM (issue 38, item 1), resumed
+# ------------------------------------------------------------------------------------------------------
+# Runs the CLI with RunLogger.log wrapped: after logging step SIGNAL_AT_STEP it sends itself SIGNAL (once, or
+# twice with SIGNAL_TWICE: the second one stops at once).
+SIGNALLER = textwrap.dedent("""
+    import os, signal, sys
+    from async_rl import tracking
+    from async_rl.train import main
+
+    at, sig = int(os.environ["SIGNAL_AT_STEP"]), getattr(signal, os.environ["SIGNAL"])
+    original = tracking.RunLogger.log
+
+    def log(self, metrics, step):
+        original(self, metrics, step)
+        if step == at:
+            os.kill(os.getpid(), sig)
+            if os.environ.get("SIGNAL_TWICE"):
+                os.kill(os.getpid(), sig)
+
+    tracking.RunLogger.log = log
+    main(sys.argv[1:])
+""")
+
+
+def _signalled(args, at_step, sig="SIGINT", twice=False):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "SIGNAL_AT_STEP": str(at_step),
+           "SIGNAL": sig, **({"SIGNAL_TWICE": "1"} if twice else {})}
+    return subprocess.run([sys.executable, "-c", SIGNALLER, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("sig,status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_ends_the_run_in_one_line_with_a_checkpoint_and_resume_matches(uninterrupted, sig, status):
+    tmp_path, straight = uninterrupted
+    name = f"stopped-{sig.lower()}"
+    # checkpoint_every=2: step 3 has no periodic checkpoint, so the one on disk is the final one the signal wrote
+    stopped = _signalled(_overrides(tmp_path, name), at_step=3, sig=sig)
+    assert stopped.returncode == status, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr + stopped.stdout
+    last = stopped.stderr.strip().splitlines()[-1]
+    run_dir = tmp_path / "out" / name
+    assert last.startswith(f"interrupted by {sig} at step 3; checkpoint {run_dir / 'checkpoints' / 'step_000003.pt'}; "
+                           "resume with: python -m async_rl.train algorithm=grpo ")
+    assert f" trainer.run_name={name} " in last and last.endswith(" env.max_response_tokens=40 trainer.resume=true")
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 3]
+    assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3]
+    assert not (run_dir / "summary.json").exists()
+
+    resumed = _cli(_overrides(tmp_path, name, "trainer.resume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_000003.pt at step 3" in resumed.stdout
+    assert _comparable(_rows(run_dir)) == _comparable(straight)  # the same numbers as the uninterrupted run
+
+
+def test_a_second_signal_stops_at_once_and_names_the_newest_checkpoint(uninterrupted):
+    tmp_path, _ = uninterrupted
+    stopped = _signalled(_overrides(tmp_path, "twice"), at_step=3, twice=True)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted by SIGINT at step 3 (second signal: stopped at once); checkpoint ")
+    assert "step_000002.pt; resume with:" in last and "Traceback" not in stopped.stderr
+    assert [s for s, _ in list_checkpoints(tmp_path / "out" / "twice" / "checkpoints")] == [2]

@@ -169,3 +169,49 @@ def test_close_drops_open_connections(small_shop):
 def test_bad_server_options_are_clear_errors(small_shop, option, value):
     with pytest.raises(ValueError, match=option):
         WebShopHTTPServer(small_shop, port=0, **{option: value})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_start_up_health_check_names_the_start_command(small_shop):
+    """Issue 38, item 4: a missing server is found before any model loads, in one line naming the command that
+    starts the built-in server and the CLI keys to change (not after 256 aborted trajectories)."""
+    from async_rl.envs.webshop.env import SERVER_START_COMMAND, WebShopEnv, check_server_at_start
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    env = WebShopEnv(backend="server", server_url=url, timeout_s=2.0)
+    with pytest.raises(RuntimeError) as caught:
+        check_server_at_start(env)
+    message = str(caught.value)
+    assert message.startswith(f"env.backend=server: no WebShop server answers at env.server_url={url} (")
+    assert f"start one with `{SERVER_START_COMMAND}`" in message and "env.backend=simulator" in message
+    assert "\n" not in message and "max_consecutive_env_aborts" not in message
+    with WebShopHTTPServer(small_shop, port=0) as server:
+        check_server_at_start(WebShopEnv(backend="server", server_url=server.url, timeout_s=2.0))  # answers: fine
+    check_server_at_start(WebShopEnv(backend="simulator", shop=small_shop))  # nothing to check
+
+
+@pytest.mark.slow
+def test_the_cli_stops_in_one_line_when_the_server_is_down(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    url = f"http://127.0.0.1:{_free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "async_rl.train", "--config-dir", str(repo / "recipes"), "--config-name", "webshop_tiny",
+         "env.backend=server", f"env.server_url={url}", f"trainer.output_dir={tmp_path}/out",
+         f"model.dir={tmp_path}/never-built"],
+        cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo / "src")}, capture_output=True,
+        text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: env.backend=server: no WebShop server answers at env.server_url={url} (")
+    assert "python -m async_rl.envs.webshop.server --port 3000" in last and "Traceback" not in done.stderr
+    assert not (tmp_path / "never-built").exists()

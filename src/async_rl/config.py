@@ -10,9 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from async_rl.algos.dis import DIS_HIGH, DIS_LOW
-from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW, LOSS_AGG_MODES
 from async_rl.validation import ConfigError, check_dataclass, dataclass_from_mapping
+
+# No torch here: `python -m async_rl.train` validates the algorithm config before any heavy import, so the
+# defaults the loss code also uses are written here, once (async_rl.algos.dis / .policy import them).
+DIS_LOW, DIS_HIGH = 0.7, 6.0  # the DIS interval (1-ε_l, 1+ε_h), spec §3
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # DAPO's asymmetric clip ε_low, ε_high, spec §2
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")  # Eq. 1's mean of per-trajectory token means | ablation
+
 
 # ----------------------------------------------------------------------------------------------------
 # The one algorithm table: which registered estimator and policy loss each algorithm trains with (spec §2-§5).

@@ -653,8 +653,12 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
             "num_sets": len(results)}
     metrics = {f"eval/{name}/pass@{k}": p for name, r in results.items() for k, p in zip(r["k"], r["pass"])}
     metrics.update({f"eval/mean/pass@{k}": p for k, p in zip(mean["k"], mean["pass"])})
+    from async_rl.run_dir import model_identity
+
     report = {
         "model_dir": str(cfg.model_dir),
+        # which model these numbers are of (plots draw them only next to a run whose model/ matches)
+        "model": model_identity(cfg.model_dir),
         "env": str(env_cfg.name),
         "n_samples": int(cfg.n_samples),
         "temperature": float(cfg.temperature),

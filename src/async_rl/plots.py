@@ -2,8 +2,10 @@
 
 ``training.png`` (one per run; panels chosen by the run's algorithm, :data:`ALGORITHM_PANELS`; the Li2SAO
 switch dashed; a pass@k panel once evaluated), ``comparison.png`` (several runs, written to the first run
-directory) and ``eval.png`` (written by ``python -m async_rl.eval``). Curves are smoothed with
-:func:`two_sided_ema` (span 10).
+directory) and ``eval.png`` (written by ``python -m async_rl.eval``). Smoothed curves use :func:`trailing_ema`
+(span 10, one-sided: a point uses that step and earlier ones only, as a live dashboard would), drawn over the
+raw points and labelled as such; :func:`two_sided_ema` (zero-lag, uses later steps) is kept for the benchmark
+figures that say so.
 
     python -m async_rl.plots [outputs/<run> ...] [--x clock]   # no run: the last run (outputs/last_run.json)
 
@@ -21,7 +23,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-EMA_SPAN = 10  # span of the two-sided EMA used in every figure
+EMA_SPAN = 10  # span of the EMA used in every figure
+#: the legend of a smoothed curve: says what it averages (a one-sided EMA lags a change by ~span/2 steps)
+EMA_LABEL = f"trailing EMA (span {EMA_SPAN}, past steps only)"
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class Series:
 
     keys: tuple[str, ...]
     label: str
-    smooth: bool = False  # raw values faint + the two-sided EMA
+    smooth: bool = False  # raw points + the trailing EMA
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,17 @@ class Panel:
 
 ACCURACY = Panel("training accuracy", (Series(("train/success_rate",), "success rate", smooth=True),),
                  "fraction of trajectories solved")
-LAG = Panel("policy lag / off-policy tokens", (Series(("async/policy_lag/mean",), "mean lag (versions)"),
-                                               Series(("async/off_policy_token_ratio",), "off-policy token ratio")))
-POLICY_LOSS = Panel("policy loss", (Series(("actor/pg_loss",), "actor/pg_loss"),), "loss")
+# lag (versions) and the off-policy ratio (a fraction) have different units: one panel each
+LAG = Panel("policy lag", (Series(("async/policy_lag/mean",), "mean lag"), Series(("async/policy_lag/max",), "max lag")),
+            "versions behind the trainer")
+OFF_POLICY = Panel("off-policy tokens", (Series(("async/off_policy_token_ratio",), "lag > 1"),),
+                   "fraction of model tokens")
+# the env's own reward (WebShop: the purchase score in [0, 1]; success is the accuracy panel's score == 1)
+REWARD = Panel("reward", (Series(("train/reward_mean",), "mean reward per trajectory", smooth=True),),
+               "env reward (+ shaping)")
+MISMATCH = Panel("rollout / trainer mismatch", (Series(("rollout/mismatch_kl",), "KL(rollout || trainer)"),),
+                 "nats per token")
+POLICY_LOSS = Panel("policy loss", (Series(("actor/pg_loss",), "actor/pg_loss"),), "loss (advantage-weighted)")
 CRITIC_EV = Panel("critic explained variance",
                   (Series(("critic/ev_tokens", "critic/explained_var"), "all model tokens"),
                    Series(("critic/ev_terminal",), "last token (terminal)")), "1 - Var(G-V)/Var(G)")
@@ -77,11 +89,12 @@ SAPO_LOSSES = Panel("SAPO V / Q losses", (Series(("sapo/v_loss",), "V loss"), Se
 
 #: the panels of ``training.png`` per algorithm (a pass@k panel is appended when an evaluation exists)
 ALGORITHM_PANELS: dict[str, tuple[Panel, ...]] = {
-    "grpo": (ACCURACY, POLICY_LOSS, LAG),
-    "lisao": (ACCURACY, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG),
-    "ppo": (ACCURACY, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG),
-    "li2sao": (ACCURACY, CRITIC_EV, LI2SAO_EV, LI2SAO_RANK, LI2SAO_GATE, CRITIC_LOSS, LAG),
-    "sapo": (ACCURACY, SAPO_EV, SAPO_LOSSES, POLICY_LOSS, LAG),
+    "grpo": (ACCURACY, REWARD, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
+    "lisao": (ACCURACY, REWARD, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
+    "ppo": (ACCURACY, REWARD, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
+    "li2sao": (ACCURACY, REWARD, CRITIC_EV, LI2SAO_EV, LI2SAO_RANK, LI2SAO_GATE, CRITIC_LOSS, LAG, OFF_POLICY,
+               MISMATCH),
+    "sapo": (ACCURACY, REWARD, SAPO_EV, SAPO_LOSSES, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
 }
 PASS_AT_K_TITLE = "pass@k (eval)"
 PANEL_COLUMNS = 3
@@ -133,6 +146,32 @@ def infer_algorithm(rows: Sequence[Mapping], config: Optional[Mapping[str, Any]]
     return "grpo"
 
 
+def evaluates_run_model(run_dir: str | Path, report: Any) -> Optional[str]:
+    """None when ``report`` (a pass_at_k.json's content) may be drawn with the run in ``run_dir``; else why not.
+
+    A run with an exported model (``<run_dir>/model``) shows only an evaluation that recorded the same model
+    (``async_rl.eval`` writes ``"model"``: :func:`async_rl.run_dir.model_identity`, whose fingerprint changes with
+    every export); an evaluation that records no model cannot be checked and is not drawn there either. A
+    folder without a model (hand-made, or a run with ``trainer.export_model=false``) has nothing to contradict."""
+    from async_rl.run_dir import model_identity
+
+    model = Path(run_dir) / "model"
+    if not (model / "config.json").is_file():
+        return None
+    recorded = report.get("model") if isinstance(report, dict) else None
+    if not isinstance(recorded, dict) or "fingerprint" not in recorded:
+        return (f"it records no model, and {model} may have changed since (rerun the evaluation: "
+                f"make eval MODEL={model})")
+    current = model_identity(model)
+    if recorded["fingerprint"] != current["fingerprint"]:
+        def shown(m):
+            return (f"{m.get('model_dir')}" + (f" (run {m['run_name']}, step {m['step']}, exported {m['exported_at']})"
+                                               if "step" in m else ""))
+        return (f"it evaluates {shown(recorded)}, not this run's model {shown(current)} (rerun: make eval "
+                f"MODEL={model})")
+    return None
+
+
 def _pass_at_k_file(run_dir: str | Path) -> Optional[Path]:
     """``<run_dir>/pass_at_k.json``, else ``<run_dir>/eval/pass_at_k.json`` (where ``async_rl.eval`` writes
     the evaluation of a run's exported model)."""
@@ -144,11 +183,15 @@ def _pass_at_k_file(run_dir: str | Path) -> Optional[Path]:
 
 def load_pass_at_k(run_dir: str | Path) -> Optional[dict[str, list[float]]]:
     """``{"k": [...], "pass": [...]}`` from the run's ``pass_at_k.json`` (see :func:`_pass_at_k_file`); None
-    when there is none."""
+    when there is none, or when it is not the evaluation of this run's model (:func:`evaluates_run_model`)."""
     path = _pass_at_k_file(run_dir)
     if path is None:
         return None
     data = json.loads(path.read_text())
+    mismatch = evaluates_run_model(run_dir, data)
+    if mismatch is not None:
+        print(f"note: {path} is not drawn: {mismatch}", flush=True)
+        return None
     if isinstance(data, dict) and "k" not in data and isinstance(data.get("mean"), dict):
         data = data["mean"]  # the report `python -m async_rl.eval` writes: plot the mean over its sets
     if not isinstance(data, dict) or "k" not in data or "pass" not in data:
@@ -157,6 +200,20 @@ def load_pass_at_k(run_dir: str | Path) -> Optional[dict[str, list[float]]]:
     if len(ks) != len(vals) or not ks:
         raise ValueError(f"{path}: 'k' and 'pass' must be non-empty lists of equal length ({len(ks)} vs {len(vals)})")
     return {"k": [int(k) for k in ks], "pass": [float(v) for v in vals]}
+
+
+def trailing_ema(values: Sequence[float], span: int = EMA_SPAN) -> np.ndarray:
+    """One-sided EMA, the smoothing of every figure: ``f_0 = x_0``, ``f_i = α x_i + (1-α) f_{i-1}`` with
+    ``α = 2/(span+1)``. ``f_i`` uses steps ``0..i`` only (no future step moves a past point), so a change shows
+    with a lag of about ``span/2`` steps."""
+    x = np.asarray(values, dtype=np.float64)
+    out = np.empty_like(x)
+    alpha = 2.0 / (span + 1.0)
+    acc = x[0] if x.size else 0.0
+    for i, v in enumerate(x):
+        acc = alpha * v + (1.0 - alpha) * acc
+        out[i] = acc
+    return out
 
 
 def two_sided_ema(values: Sequence[float], span: int = EMA_SPAN) -> np.ndarray:
@@ -293,8 +350,9 @@ def _draw_panel(ax, panel: Panel, rows: Sequence[Mapping], config: Mapping[str, 
         steps, values = _series(rows, key)
         color = f"C{i}"
         if series.smooth:
-            ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8, label=f"{series.label} (raw)")
-            ax.plot(steps, two_sided_ema(values), color=color, linewidth=1.8, label=f"EMA (span {EMA_SPAN})")
+            ax.plot(steps, values, color=color, alpha=0.35, linewidth=0.6, marker=".", markersize=3,
+                    label=f"{series.label} (raw)")
+            ax.plot(steps, trailing_ema(values), color=color, linewidth=1.8, label=EMA_LABEL)
         else:
             ax.plot(steps, values, color=color, linewidth=1.4, marker="." if len(steps) < 30 else None,
                     label=series.label if key == series.keys[0] else f"{series.label} ({key})")
@@ -312,12 +370,29 @@ def _draw_panel(ax, panel: Panel, rows: Sequence[Mapping], config: Mapping[str, 
     if x_range is not None:  # every panel spans the whole run (Li2SAO's gate metrics stop at the switch)
         lo, hi = x_range
         ax.set_xlim(lo - 0.5, hi + 0.5) if lo == hi else ax.set_xlim(lo, hi)
-    ax.set_xlabel("step")
+    ax.set_xlabel("step (optimizer batches)")
     if panel.ylabel:
         ax.set_ylabel(panel.ylabel, fontsize=8)
     _integer_steps(ax)
     ax.legend(fontsize=7, loc="best", framealpha=0.8)
+    note = panel_note(panel, rows)
+    if note:
+        ax.text(0.02, 0.02, note, transform=ax.transAxes, fontsize=6.5, color="dimgray", va="bottom", wrap=True)
     return True
+
+
+def panel_note(panel: Panel, rows: Sequence[Mapping]) -> Optional[str]:
+    """A short note where a measured effect would mislead: explained variance (``1 - Var(G-V)/Var(G)``) of a
+    run whose recent success is near 1 has almost no return variance to explain, so it falls toward 0 or
+    below (or is not logged) whatever the critic knows."""
+    if panel not in (CRITIC_EV, SAPO_EV):
+        return None
+    _, success = _series(rows, "train/success_rate")
+    recent = success[-max(len(success) // 10, 1):]
+    if recent and sum(recent) / len(recent) >= 0.95:
+        return (f"success ≈ {sum(recent) / len(recent):.2f} in the last steps: returns barely vary, so explained "
+                "variance near or below 0 says little about the critic")
+    return None
 
 
 def _switch_label(run_dir: Optional[Path], switch: Optional[int]) -> Optional[str]:
@@ -492,14 +567,14 @@ def plot_comparison(
             key = next((k for k in keys if _series(rows, k, x_key)[0]), keys[0])
             xs, vals = _series(rows, key, x_key)
             if xs:
-                ax.plot(xs, vals, color=color, alpha=0.25, linewidth=0.8)
-                ax.plot(xs, two_sided_ema(vals), color=color, linewidth=1.8, label=label)
+                ax.plot(xs, vals, color=color, alpha=0.3, linewidth=0.6, marker=".", markersize=2.5)
+                ax.plot(xs, trailing_ema(vals), color=color, linewidth=1.8, label=label)
                 drawn = True
             sw = _switch_x(rows, x_key)
             if sw is not None:
                 ax.axvline(sw, color=color, linestyle="--", linewidth=1,
                            label=f"{label}: switch @ {switch_step(rows)}")
-        ax.set_title(f"{panel_title} (EMA span {EMA_SPAN})", fontsize=10)
+        ax.set_title(f"{panel_title} (dots raw; line: trailing EMA, span {EMA_SPAN})", fontsize=9)
         if not drawn:
             for line in list(ax.lines):  # a switch line alone would cross the message
                 line.remove()

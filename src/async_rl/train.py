@@ -11,7 +11,10 @@ metrics.jsonl, plots and an offline wandb run, all under ``outputs/<run_name>/``
 from __future__ import annotations
 
 import json
+import shlex
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +24,16 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from async_rl.config import plan_for
-from async_rl.config import AlgorithmConfig, algorithm_config_from_dict
-from async_rl.driver.checkpoint import CheckpointError, list_checkpoints
-from async_rl.driver.driver import DriverConfig
-from async_rl.driver.episode import EpisodeLimits
-from async_rl.rollout.client import ReplicaSettings
-from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_attn_implementation, check_env, check_model,
-                                 check_trainer, check_value, first_line)
-
-REPO_CONF = str(Path(__file__).resolve().parents[2] / "conf")
+# only light modules at import time (no torch, Ray, verl or transformers): `python -m async_rl.train` composes and
+# checks the config first (async_rl.cli_config, check_config) and reports a mistake in about a second; the heavy
+# modules are imported inside the functions that build the run
+from async_rl.cli_config import REPO_CONF, compose_command_line
+from async_rl.config import AlgorithmConfig, algorithm_config_from_dict, plan_for
+from async_rl.driver.settings import DriverConfig
+from async_rl.rollout.settings import ReplicaSettings
+from async_rl.run_dir import RunLock, check_run_dir, clear_outputs
+from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,  # noqa: F401
+                                 check_value, first_line)
 
 
 def _resolve_device(name: str) -> str:
@@ -112,6 +115,28 @@ def make_tasks(env_cfg: DictConfig, seed: int) -> list[dict[str, Any]]:
     return env_facts(env_cfg.name).make_tasks(env_cfg, seed)
 
 
+def check_env_at_start(env_cfg: DictConfig) -> None:
+    """The env's own start-up check (``EnvFacts.check_at_start``: WebShop's server health, ReTool's sandbox) on a
+    probe env, before any model loads; a failure raises :class:`ConfigError` with the env's one-line fix."""
+    import async_rl.envs  # noqa: F401
+    from async_rl.envs import make_env
+    from async_rl.envs.facts import env_facts
+
+    facts = env_facts(env_cfg.name)
+    if facts.check_at_start is None:
+        return
+    kwargs = dict(facts.env_kwargs(env_cfg))
+    if facts.multi_turn:
+        kwargs["max_turns"] = int(env_cfg.max_turns)
+    probe = make_env(env_cfg.name, **kwargs)
+    try:
+        facts.check_at_start(probe)
+    except (RuntimeError, OSError, ValueError) as err:
+        raise ConfigError(first_line(err)) from None
+    finally:
+        probe.close()
+
+
 def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
     """Constructor arguments of the env from its config group."""
     import async_rl.envs  # noqa: F401
@@ -144,6 +169,8 @@ def summarize(history: list[dict], driver, env_name: str = "") -> dict[str, Any]
         "dropped_stale": driver.buffer.counters.dropped_stale,
         "aborted": driver.buffer.counters.aborted,
         "wall_s": history[-1].get("perf/wall_s") if history else None,
+        # seconds this process spent writing checkpoints (with the policy export each one refreshes)
+        "checkpoint_s": driver.time.checkpoint_s,
         # which phases of the algorithm and task happened, and a warning for each one that did not
         **phase_report(history, driver.learner.cfg.name, env_name, driver.stats.switch_step,
                        bool(driver.learner.gate.forced) if getattr(driver.learner, "gate", None) is not None
@@ -212,6 +239,51 @@ def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_di
     return model_dir
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM ended the run (a BaseException, like KeyboardInterrupt: no ``except Exception`` on the
+    way keeps it). ``step``: the last trained step (None: before training began); ``checkpoint``: where the run
+    can resume from (None: nothing kept). The CLI prints :meth:`line` and exits with ``128 + signal``."""
+
+    def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None,
+                 run_dir: Path | None = None, at_once: bool = False):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step, self.checkpoint, self.run_dir, self.at_once = signum, step, checkpoint, run_dir, at_once
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + int(self.signum)  # 130 for SIGINT, 143 for SIGTERM (shell convention)
+
+    def line(self, argv: list[str] | None) -> str:
+        name = signal.Signals(self.signum).name
+        if self.step is None:
+            return f"interrupted by {name} before training began; nothing to keep (rerun the same command)"
+        head = f"interrupted by {name} at step {self.step}" + (" (second signal: stopped at once)" if self.at_once
+                                                                else "")
+        if self.checkpoint is None:
+            return f"{head}; no checkpoint to resume from (no step was checkpointed): rerun the same command"
+        command = "trainer.resume=true"
+        if argv is not None:  # the user's own command line, with trainer.resume=true
+            kept = [a for a in argv if a.split("=", 1)[0].lstrip("+~") not in ("trainer.resume", "trainer.overwrite")]
+            command = shlex.join(["python", "-m", "async_rl.train", *kept, "trainer.resume=true"])
+        return f"{head}; checkpoint {self.checkpoint}; resume with: {command}"
+
+
+#: the command line of this process when launched as the CLI (main), for the resume hint
+_CLI_ARGV: list[str] | None = None
+
+
+def _raise_interrupted(signum, frame) -> None:
+    """Outside the training loop (building, warm start, export), a signal stops the run at once."""
+    raise Interrupted(signum)
+
+
+def _install_signal_handlers(handler) -> dict:
+    """``handler`` for SIGINT and SIGTERM (main thread only: Python delivers signals there); returns the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 @dataclass
 class CheckedRun:
     """What :func:`check_run_config` established: the built configs and the device to run on."""
@@ -221,12 +293,11 @@ class CheckedRun:
     device: str
 
 
-def check_run_config(cfg: DictConfig) -> CheckedRun:
-    """Type- and range-check every config value (``async_rl.validation``), their combinations and the
-    machine (GPU, model files), loading and writing nothing. A bad value raises
-    :class:`~async_rl.validation.ConfigError` with one line naming the key, the value and what is allowed
-    (``FileNotFoundError`` / ``RuntimeError`` from :func:`check_machine`); the CLI prints it as
-    ``error: <message>`` and exits with status 2."""
+def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
+    """Type- and range-check every config value (``async_rl.validation``) and their combinations, loading and
+    writing nothing and importing no heavy module (torch, Ray, verl, transformers): the CLI runs it before those
+    load. A bad value raises :class:`~async_rl.validation.ConfigError` with one line naming the key, the value
+    and what is allowed. Normalised values (1e3 given for an int is 1000) are stored back into ``cfg``."""
     try:
         groups = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("algorithm", "env", "model",
                                                                                       "trainer")}
@@ -254,14 +325,41 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
         rollout = ReplicaSettings.from_config(cfg.get("rollout"))
         if trainer.get("workers") == "ray":
             rollout.check_placement(int(trainer.get("train_workers", 1)))
-    except ValueError as err:
+    except (ValueError, TypeError, RuntimeError) as err:
         raise ConfigError(str(err)) from err
-    checkpoints = Path(trainer.get("output_dir", "outputs")) / trainer.get("run_name", "run") / "checkpoints"
-    if not trainer.get("resume", False) and driver_cfg.checkpoint_every and list_checkpoints(checkpoints):
-        # a fresh run would mix its checkpoints with the earlier run's (and pruning would keep the wrong ones)
-        raise ConfigError(f"trainer.resume=false: {checkpoints} holds checkpoints of an earlier run; set "
-                          "trainer.resume=true to continue it, or another trainer.run_name (or move that "
-                          "directory away) to start over")
+    # one run per folder: another run's outputs (metrics, checkpoints, model, eval, plots) are never mixed
+    # with this one's unless it resumes that run or replaces it (async_rl.run_dir)
+    check_run_dir(run_dir_of(cfg), bool(trainer.get("resume", False)), bool(trainer.get("overwrite", False)))
+    return algo, driver_cfg
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    return Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+
+
+_CLEARED: set[str] = set()  # run dirs this process has emptied for trainer.overwrite=true
+
+
+def claim_run_dir(cfg: DictConfig) -> RunLock:
+    """Take the run folder's lock (:class:`~async_rl.run_dir.RunLock`: a live run elsewhere raises
+    :class:`ConfigError`); with ``trainer.overwrite=true``, delete the earlier run's outputs first (once)."""
+    run_dir = run_dir_of(cfg)
+    lock = RunLock.acquire(run_dir)
+    if cfg.trainer.get("overwrite", False) and str(run_dir.resolve()) not in _CLEARED:
+        removed = clear_outputs(run_dir)
+        _CLEARED.add(str(run_dir.resolve()))
+        if removed:
+            print(f"trainer.overwrite=true: deleted the earlier run's {', '.join(removed)} in {run_dir}", flush=True)
+    return lock
+
+
+def check_run_config(cfg: DictConfig) -> CheckedRun:
+    """:func:`check_config`, then the machine (GPU, model files, device, attention kernel). A bad value raises
+    :class:`~async_rl.validation.ConfigError` with one line naming the key, the value and what is allowed
+    (``FileNotFoundError`` / ``RuntimeError`` from :func:`check_machine`); the CLI prints it as
+    ``error: <message>`` and exits with status 2."""
+    algo, driver_cfg = check_config(cfg)
+    trainer = cfg.trainer
     check_machine(cfg)
     device = _resolve_device(trainer.get("device", "auto"))
     if device == "cuda":
@@ -270,8 +368,10 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda: no CUDA GPU is visible (torch.cuda.is_available() is False); "
                               "use trainer.device=cpu or trainer.device=auto")
+    from async_rl.validation import check_attn_implementation
+
     try:  # flash_attention_2 without flash-attn, a GPU or bf16: refused before any model is built
-        check_attn_implementation(checked["model"].get("attn_implementation", "sdpa"), device, trainer.get("precision", "fp32"))
+        check_attn_implementation(cfg.model.get("attn_implementation", "sdpa"), device, trainer.get("precision", "fp32"))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return CheckedRun(algo, driver_cfg, device)
@@ -287,12 +387,15 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         torch.set_num_threads(int(cfg.trainer.torch_threads))
 
     import async_rl.envs.toy  # noqa: F401  (registers the embedded envs)
+    import async_rl.verl_plugin  # noqa: F401  (our estimators and losses in verl's registries; the CLI defers it)
     from async_rl.driver.build import RunSpec, build_concurrent_driver, build_deterministic_driver
+    from async_rl.driver.episode import EpisodeLimits
     from async_rl.engine.settings import TrainingSettings
     from async_rl.plots import plot_run
     from async_rl.tracking import RunLogger
 
     tasks = make_tasks(cfg.env, cfg.seed)  # data files are read (and fail) before the model is built
+    check_env_at_start(cfg.env)  # e.g. a WebShop server that does not answer: one line now, not 256 aborts later
     vllm_cpu = cfg.get("rollout") is not None and cfg.rollout.get("engine") == "vllm" and device == "cpu"
     model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks, for_vllm_cpu=vllm_cpu)
     spec = RunSpec(
@@ -309,7 +412,9 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         workers=cfg.trainer.workers, train_workers=cfg.trainer.train_workers,
         rollout=ReplicaSettings.from_config(cfg.get("rollout")),
     )
-    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    run_dir = run_dir_of(cfg)
+    own_lock = RunLock.held(run_dir) is None  # the CLI took it before Hydra started; a direct call takes it here
+    lock = claim_run_dir(cfg)
     logger = None  # opened once a resume has succeeded: a failed resume leaves metrics.jsonl as it was
     from tqdm import tqdm
 
@@ -349,7 +454,27 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         logger = RunLogger(run_dir, cfg.trainer.project, cfg.trainer.run_name,
                            OmegaConf.to_container(cfg, resolve=True), use_wandb=cfg.trainer.wandb,
                            resume_step=driver.learner.step if resumed else None, history=driver.history)
-        history = driver.run()
+        def stop_at_next_cut(signum, frame) -> None:
+            """First signal: finish the step in progress, checkpoint it, stop; a second one stops at once."""
+            if driver.stop_reason is None:
+                driver.request_stop(signal.Signals(signum).name)
+                print(f"{signal.Signals(signum).name}: stopping after the step in progress and writing a checkpoint "
+                      "(send it again to stop at once)", file=sys.stderr, flush=True)
+                return
+            last = driver.last_checkpoint
+            raise Interrupted(signum, int(driver.learner.step), last[1] if last else None, run_dir, at_once=True)
+
+        from async_rl.driver.core import RunStopped
+
+        previous = _install_signal_handlers(stop_at_next_cut)
+        try:
+            history = driver.run()
+        except RunStopped as stopped:
+            signum = getattr(signal.Signals, stopped.reason, signal.SIGINT)
+            raise Interrupted(int(signum), stopped.step, stopped.checkpoint, run_dir) from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         bar.close()
         summary = summarize(history, driver, cfg.env.name)
         summary["total_wall_s"] = time.perf_counter() - started
@@ -373,6 +498,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
 
             groups.worker_groups.shutdown()
             ray.shutdown()
+        if own_lock:
+            lock.release()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n== summary ==")
     for key, value in summary.items():
@@ -402,25 +529,71 @@ def with_run_dir_overrides(argv: list[str]) -> list[str]:
     return list(argv) + [f"{key}={value}" for key, value in RUN_DIR_OVERRIDES.items() if key not in given]
 
 
+def _config_error(err: BaseException) -> None:
+    """A config the user must fix is not a crash: one line, no traceback, exit status 2 (as argparse)."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 @hydra.main(config_path=REPO_CONF, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
-    # a bad value is the user's to fix, not a crash: one line, no traceback, exit status 2 (as argparse)
     try:
         checked = check_run_config(cfg)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _config_error(err)
+    from async_rl.driver.checkpoint import CheckpointError
+
     try:
         run(cfg, checked)
+    except ConfigError as err:  # found while starting up (an env's server or sandbox), before any model loaded
+        _config_error(err)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Interrupted as stop:
+        _report_interrupted(stop)
+    except KeyboardInterrupt:  # a SIGINT before our handler was installed
+        _report_interrupted(Interrupted(signal.SIGINT))
+
+
+def _report_interrupted(stop: Interrupted) -> None:
+    """One line (no traceback), exit status 130 (SIGINT) or 143 (SIGTERM)."""
+    print(stop.line(_CLI_ARGV), file=sys.stderr, flush=True)
+    sys.exit(stop.exit_status)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The CLI: ``argv`` (default ``sys.argv[1:]``) as Hydra arguments, with the run-directory overrides."""
-    sys.argv = [sys.argv[0], *with_run_dir_overrides(sys.argv[1:] if argv is None else list(argv))]
-    _hydra_main()
+    """The CLI: ``argv`` (default ``sys.argv[1:]``) as Hydra arguments, with the run-directory overrides.
+
+    The config is composed and checked (:func:`async_rl.cli_config.compose_command_line`, :func:`check_config`)
+    before torch, Ray, verl or transformers are imported: a mistyped group, key or value ends the process with
+    one ``error: ...`` line and exit status 2 in about a second."""
+    args = with_run_dir_overrides(sys.argv[1:] if argv is None else list(argv))
+    lock = None
+    try:
+        cfg = compose_command_line(args)
+        if cfg is not None:
+            check_config(cfg)
+            lock = claim_run_dir(cfg)  # held for the whole run; Hydra's train.log is opened after this
+    except (ValueError, TypeError) as err:
+        _config_error(err)
+    global _CLI_ARGV
+    _CLI_ARGV = sys.argv[1:] if argv is None else list(argv)
+    sys.argv = [sys.argv[0], *args]
+    # SIGTERM's default ends the process without any cleanup; from here on both signals end the run in one line
+    # (the training loop installs its own handler: stop after the step in progress, with a checkpoint)
+    previous = _install_signal_handlers(_raise_interrupted)
+    try:
+        _hydra_main()
+    except Interrupted as stop:  # before the config was composed: nothing started
+        _report_interrupted(stop)
+    except KeyboardInterrupt:
+        _report_interrupted(Interrupted(signal.SIGINT))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -381,6 +381,7 @@ TRAINER_RULES: dict[str, Rule] = {
     "max_tokens_per_micro_batch": Rule("int", ">= 1", optional=True),
     "activation_checkpointing": Rule("bool"),
     "resume": Rule("bool"),
+    "overwrite": Rule("bool"),
     "export_model": Rule("bool"),
     "driver": Rule("mapping"),
 }

@@ -18,13 +18,10 @@ import torch
 
 from async_rl.algos._util import masked_mean
 from async_rl.algos.policy import aggregate_loss
+from async_rl.config import DIS_HIGH, DIS_LOW  # the DIS interval's defaults (spec §3), written once there
 
 # exp(±20) bounds the ratio like verl does, so a huge log-ratio cannot overflow before masking
 _LOG_RATIO_BOUND = 20.0
-
-
-# the DIS interval (1-ε_l, 1+ε_h) (spec §3): the one place these defaults are written
-DIS_LOW, DIS_HIGH = 0.7, 6.0
 
 
 def dis_mask(log_ratio: torch.Tensor, low: float = DIS_LOW, high: float = DIS_HIGH) -> torch.Tensor:

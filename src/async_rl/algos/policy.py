@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from async_rl.algos._util import loss_denominator, masked_mean
-
-LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")
+# DAPO's clip ε_low, ε_high (spec §2) and the loss aggregations, written once in async_rl.config
+from async_rl.config import CLIP_HIGH, CLIP_LOW, LOSS_AGG_MODES  # noqa: F401  (public names here too)
 
 # exp(±20) bounds the ratio like verl does, so a huge log-ratio cannot overflow
 _LOG_RATIO_BOUND = 20.0
@@ -65,10 +65,6 @@ def loss_normaliser_count(mask: torch.Tensor, loss_agg_mode: str = "seq-mean-tok
     if loss_agg_mode == "token-mean":
         return m.sum()
     return (m.sum(dim=-1) > 0).to(torch.float32).sum()
-
-
-# DAPO's asymmetric clip ε_low, ε_high (spec §2): the one place these defaults are written
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 
 def clipped_policy_loss(

@@ -117,10 +117,14 @@ class ConcurrentDriver(RunCore):
                 self.buffer.discard_except(set(self.buffer.group_ids_oldest_first()) - stale)
 
     # ------------------------------------------------------------------ trainer (calling thread)
-    def _wait_for_batch(self) -> list[Trajectory]:
+    def _wait_for_batch(self) -> Optional[list[Trajectory]]:
+        """The next batch, or None once a stop is requested (the caller stops at this cut: checkpoints take
+        ``_lock`` before ``_ready``, so not from inside this wait)."""
         deadline = time.monotonic() + self.wait_timeout_s
         with self._ready:
             while True:
+                if self.stop_reason is not None:
+                    return None
                 if self._error is not None:
                     raise RolloutThreadError(f"the rollout thread failed:\n{self._error}")
                 draining_done = self.switch is SwitchPhase.DRAINED
@@ -160,7 +164,10 @@ class ConcurrentDriver(RunCore):
         thread.start()
         try:
             while self.learner.step < self.cfg.total_steps:
-                result, weights = self.train(self._wait_for_batch())
+                batch = self._wait_for_batch()
+                if batch is None:  # a stop was requested (request_stop) while waiting
+                    self.stop_at_cut()
+                result, weights = self.train(batch)
                 if result.gate_opened:
                     self._begin_switch()
                     self._finish_switch()  # publication waits for the outstanding job (spec §4)
@@ -183,6 +190,8 @@ class ConcurrentDriver(RunCore):
                 self.record(metrics)
                 if self.checkpoint_due():  # also after a step that trained only the critic (LiSAO warm-up)
                     self.save_checkpoint()
+                if self.stop_reason is not None and self.learner.step < self.cfg.total_steps:
+                    self.stop_at_cut()
         finally:
             self._stop.set()
             thread.join(timeout=60)

@@ -30,56 +30,9 @@ from async_rl.driver.buffer import TrajectoryBuffer
 from async_rl.driver.checkpoint import prune_checkpoints, resume_checkpoint, write_checkpoint
 from async_rl.driver.learner import Learner, StepResult
 from async_rl.driver.rollout_manager import RolloutManager
+from async_rl.driver.settings import DriverConfig  # noqa: F401  (defined without torch: the CLI checks it first)
 from async_rl.driver.trajectory import Trajectory
 from async_rl.rollout.weight_sync import choose_weight_sync, weights_to_publish
-
-
-@dataclass
-class DriverConfig:
-    total_steps: int = 100  # optimizer batches to train
-    staleness_cap: int = 4  # k, spec §1: drop trajectories holding a token with policy lag > k
-    max_inflight_trajectories: Optional[int] = None  # rollout capacity (live episodes); None = 2 B
-    buffer_capacity: Optional[int] = None  # finished trajectories held; None = 4 B
-    chunk_tokens: int = 8  # tokens generated per scheduler tick (weights can change between chunks)
-    update_ticks: int = 4  # deterministic scheduler: simulated duration of one trainer update, in ticks
-    checkpoint_every: int = 0  # save a checkpoint every this many steps (0 = never)
-    keep_last: int = 3  # checkpoints kept on disk (older ones are deleted); >= 2 leaves one to fall back to
-    synchronous: bool = False  # colocated synchronous baseline: generate one batch, train, publish, repeat
-
-    # allowed range of every numeric field (types come from the annotations above)
-    RANGES = {
-        "total_steps": ">= 1",
-        "staleness_cap": ">= 0",  # 0 = strictly on-policy
-        "max_inflight_trajectories": ">= 1",
-        "buffer_capacity": ">= 1",
-        "chunk_tokens": ">= 1",
-        "update_ticks": ">= 0",
-        "checkpoint_every": ">= 0",
-        "keep_last": ">= 1",
-    }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "DriverConfig":
-        """From a plain dict (the resolved ``trainer.driver`` node); unknown keys fail with the valid ones."""
-        from async_rl.validation import dataclass_from_mapping
-
-        return dataclass_from_mapping(cls, data, "trainer.driver")
-
-    def validate(self, batch_size: int, group_size: int = 1) -> None:
-        """Types and ranges of every field (one line naming ``trainer.driver.<key>``, the value and what is
-        allowed), then the capacities against one batch of ``batch_size`` trajectories sampled in groups of
-        ``group_size``."""
-        from async_rl.validation import ConfigError, check_dataclass
-
-        check_dataclass(self, "trainer.driver", self.RANGES)
-        # the buffer counts live trajectories against its room: when an aborted member leaves the ready groups
-        # one short of a batch, one more group must still fit, or neither a launch nor a batch can happen
-        need = batch_size + group_size - 1
-        if self.buffer_capacity is not None and self.buffer_capacity < need:
-            raise ConfigError(
-                f"trainer.driver.buffer_capacity={self.buffer_capacity}: must hold at least one batch ({batch_size} "
-                f"trajectories) plus one group less a member (group size {group_size}): set it to {need} or "
-                "more, or null (4 x the batch)")
 
 
 def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
@@ -105,6 +58,18 @@ class SwitchPhase(str, enum.Enum):
     DONE = "done"  # single rollout for the rest of the run
 
 
+class RunStopped(Exception):
+    """The run stopped early at a cut because :meth:`RunCore.request_stop` was called (SIGINT/SIGTERM in the
+    CLI). ``checkpoint``: the checkpoint holding step ``step`` (None when no step had trained, or the driver has
+    no checkpoint directory)."""
+
+    def __init__(self, reason: str, step: int, checkpoint: Optional[Path]):
+        super().__init__(f"stopped at step {step} ({reason})")
+        self.reason = reason
+        self.step = step
+        self.checkpoint = checkpoint
+
+
 @dataclass
 class RunStats:
     """Counters a checkpoint carries (the deterministic scheduler's ticks among them)."""
@@ -124,6 +89,7 @@ class RealTime:
     start: float = field(default_factory=time.perf_counter)
     training_s: float = 0.0  # inside Learner.train_step
     rollout_busy_s: float = 0.0  # launching and generating
+    checkpoint_s: float = 0.0  # writing checkpoints (and what on_checkpoint does: the policy's export)
 
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.start, 1e-9)
@@ -149,6 +115,9 @@ class RunCore(abc.ABC):
         # called with the checkpoint's path after each save (train.py exports the policy as a model there)
         self.on_checkpoint: Optional[Callable[[Path], None]] = None
         self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded
+        self.last_checkpoint: Optional[tuple[int, Path]] = None  # (step, path) of the newest one saved or loaded
+        # set by request_stop (a signal handler): the scheduler stops at its next cut (RunStopped)
+        self.stop_reason: Optional[str] = None
         self.switch = SwitchPhase.NONE
         self.kept_groups: set[str] = set()
         self.stats = RunStats()
@@ -304,12 +273,15 @@ class RunCore(abc.ABC):
         the newest ``keep_last`` checkpoints (:mod:`async_rl.driver.checkpoint`). Worker-group trainers
         (``trainer.workers=ray``) write their model and optimizer shards into ``step_<N>.pt.shards/``, every
         rank its own, committed by the same rename."""
+        started = time.perf_counter()
         shards = self.learner.save_model_shards if self.learner.model_state_sharded else None
         with self._at_cut():
             path = write_checkpoint(self.state_dict(), self.checkpoint_dir, self.learner.step, write_shards=shards)
         prune_checkpoints(self.checkpoint_dir, self.learner.step, self.cfg.keep_last)
+        self.last_checkpoint = (self.learner.step, path)
         if self.on_checkpoint is not None:
             self.on_checkpoint(path)
+        self.time.checkpoint_s += time.perf_counter() - started
         return path
 
     def resume(self, path: Optional[str | Path] = None) -> bool:
@@ -321,4 +293,25 @@ class RunCore(abc.ABC):
         usable or the one read does not fit this run's config; a failed resume changes no file.
         """
         self.resumed_from = resume_checkpoint(self.load_state_dict, self.checkpoint_dir, path)
+        if self.resumed_from is not None:
+            self.last_checkpoint = (self.learner.step, self.resumed_from)
         return self.resumed_from is not None
+
+    # ------------------------------------------------------------------ stopping early
+    def request_stop(self, reason: str) -> None:
+        """Ask the scheduler to stop at its next cut (where a periodic checkpoint could be taken): safe to call
+        from a signal handler; the run then ends with :class:`RunStopped` after :meth:`stop_at_cut`."""
+        self.stop_reason = reason
+
+    def stop_at_cut(self) -> None:
+        """Called by a scheduler at a cut once a stop was requested: write a final checkpoint when a step has
+        trained since the newest one (nothing trained: nothing worth keeping), then raise :class:`RunStopped`.
+        The checkpoint is the one a periodic save at this step would write, so a resumed run continues as the
+        uninterrupted run would."""
+        path = None
+        if self.learner.step > 0 and self.checkpoint_dir is not None:
+            if self.last_checkpoint is not None and self.last_checkpoint[0] == self.learner.step:
+                path = self.last_checkpoint[1]
+            else:
+                path = self.save_checkpoint()
+        raise RunStopped(self.stop_reason or "stop requested", self.learner.step, path)

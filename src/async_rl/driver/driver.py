@@ -48,11 +48,15 @@ class DeterministicDriver(RunCore):
         self._target = target
         # the last update is published before returning, so the run ends at a checkpointable point
         while self.learner.step < target or self.publish is not None:
+            if self.stop_reason is not None and self.learner.step == 0 and self.publish is None:
+                self.stop_at_cut()  # nothing trained yet: stop at once, nothing to keep
             progressed, update_done = self._tick()
             if not progressed:
                 raise RuntimeError(self._stall_report())
             if update_done and self.checkpoint_due():  # also after a step that trained only the critic
                 self.save_checkpoint()
+            if update_done and self.stop_reason is not None and self.learner.step < target:
+                self.stop_at_cut()  # the cut a periodic checkpoint takes: a resumed run continues bit for bit
         self.rollout.release_env_threads()  # idle env workers exit; a later run() starts new ones
         return self.history
 

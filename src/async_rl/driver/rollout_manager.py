@@ -130,8 +130,8 @@ class RolloutManager:
         if self.env_counters.consecutive_env_aborts >= self.max_consecutive_env_aborts:
             raise EnvsKeepFailing(
                 f"the last {self.env_counters.consecutive_env_aborts} trajectories were all aborted by env "
-                f"failures (last: {self._last_env_abort}); the env cannot work as configured: fix it, or raise "
-                "RolloutManager.max_consecutive_env_aborts if failures this long in a row are expected")
+                f"failures (last: {self._last_env_abort}); the env cannot work as configured: fix its settings "
+                "(env.* on the command line; a server backend: is the server up?) and run again")
 
     def _resolve(self, item: _Pending) -> None:
         episode, call = item.episode, item.call

@@ -14,7 +14,6 @@ Details: docs/rollout.md (7, "Streaming and balancing", "In-flight weight update
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import re
 import threading
@@ -30,12 +29,13 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.checkpoint_engine import check_published_handle, in_process_handle, published_handle
+# the settings live in a module without torch or Ray, so the CLI validates them before any heavy import
+from async_rl.rollout.settings import FAILURE_POLICIES, ROLLOUT_MODES, WEIGHT_SYNCS, ReplicaSettings  # noqa: F401
 from async_rl.rollout.replica import (ENGINE_ERROR, OWN_SERVER_ENGINES, ReplicaBrokenError, sampling_to_server_dict,
                                       token_output_to_generation)
 
 logger = logging.getLogger(__name__)
 
-FAILURE_POLICIES = ("continue", "stop")
 _TURN_SUFFIX = re.compile(r"/turn\d+$")
 _AFFINITY_CAPACITY = 100_000  # remembered episodes; the oldest are forgotten first
 
@@ -571,10 +571,6 @@ class ReplicaPool:
                 f"to go on with the remaining replicas, or restart the run.")
 
 
-ROLLOUT_MODES = ("standalone", "hybrid")
-WEIGHT_SYNCS = ("pool", "checkpoint_manager")
-
-
 def _run_with_deadline(call, timeout_s: float) -> Optional[str]:
     """Run ``call`` in a daemon thread; None if it returned in time, else what went wrong (one line)."""
     outcome: dict[str, BaseException] = {}
@@ -592,107 +588,6 @@ def _run_with_deadline(call, timeout_s: float) -> Optional[str]:
         return f"no answer within {timeout_s:g} s (hung)"
     error = outcome.get("error")
     return None if error is None else f"{type(error).__name__}: {first_line(error)}"
-
-
-@dataclass
-class ReplicaSettings:
-    """``rollout.*`` of the config (conf/rollout/default.yaml): the replicas used when ``trainer.workers=ray``."""
-
-    engine: str = "hf"  # hf (transformers, CPU/CUDA) | vllm | sglang (verl's replicas, GPU)
-    replicas: int = 1  # rollout replicas, one process each
-    mode: str = "standalone"  # standalone: own processes and resources | hybrid: inside the train ranks (hf)
-    chunk_tokens: int = 4  # hf: tokens per decode chunk (a weight update or new request waits at most one chunk)
-    cpus_per_replica: float = 1.0  # logical Ray CPUs each replica reserves
-    on_replica_failure: str = "continue"  # continue with the other replicas | stop with an error
-    health_timeout_s: float = 30.0  # a replica that leaves a ping unanswered this long is declared hung
-    weight_sync: str = "pool"  # pool: the pool's own pause/load/resume | checkpoint_manager: verl's manager
-    checkpoint_backend: str = "ray_object_store"  # verl checkpoint engine moving the weights (nccl on GPU)
-    vllm_kv_on_update: str = "recompute"  # vllm: a kept prefix's KV after an update: recompute (AReaL) | stale
-    vllm_kv_cache_memory_bytes: int = 256 << 20  # vllm on CPU: bytes of host memory for the KV cache
-    vllm_gpu_memory_utilization: float = 0.5  # vllm on CUDA: share of GPU memory for weights + KV cache
-    vllm_max_model_len: Optional[int] = None  # vllm: context length (None = the model's)
-    vllm_max_num_seqs: int = 64  # vllm: requests decoded together
-    device: Optional[str] = None  # where standalone replicas run: cpu | cuda (None = trainer.device)
-
-    def vllm_engine_options(self) -> dict[str, Any]:
-        """The ``engine_kwargs`` keywords of :mod:`async_rl.rollout.vllm_engine` from these settings."""
-        return {"kv_cache_memory_bytes": int(self.vllm_kv_cache_memory_bytes),
-                "gpu_memory_utilization": float(self.vllm_gpu_memory_utilization),
-                "max_model_len": self.vllm_max_model_len, "max_num_seqs": int(self.vllm_max_num_seqs)}
-
-    @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "ReplicaSettings":
-        """From the config's ``rollout`` group (a DictConfig or dict; None = the defaults), validated;
-        an unknown key fails with the valid names."""
-        if rollout_cfg is None:
-            return cls()
-        if not isinstance(rollout_cfg, Mapping):
-            from omegaconf import OmegaConf
-
-            rollout_cfg = OmegaConf.to_container(rollout_cfg, resolve=True)
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(rollout_cfg) - set(valid))
-        if unknown:
-            raise ValueError(f"rollout.{unknown[0]} is not a rollout setting; valid keys: {', '.join(valid)}")
-        settings = cls(**rollout_cfg)
-        settings.validate()
-        return settings
-
-    def check_placement(self, train_workers: int) -> None:
-        """Rules that also need ``trainer.train_workers``: hybrid puts one replica in every train rank."""
-        if self.mode == "hybrid" and int(self.replicas) != int(train_workers):
-            raise ValueError(f"rollout.mode=hybrid puts one replica in every train rank: rollout.replicas="
-                             f"{self.replicas} but trainer.train_workers={train_workers}; set them equal (or use "
-                             f"rollout.mode=standalone for replicas on their own resources)")
-
-    def validate(self) -> None:
-        from async_rl.rollout.replica import ENGINE_NAMES
-
-        if self.engine not in ENGINE_NAMES:
-            raise ValueError(f"rollout.engine={self.engine!r}; valid choices: {', '.join(ENGINE_NAMES)}")
-        if int(self.replicas) < 1:
-            raise ValueError(f"rollout.replicas must be >= 1, got {self.replicas}")
-        if self.mode not in ROLLOUT_MODES:
-            raise ValueError(f"rollout.mode={self.mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
-        if self.mode == "hybrid" and self.engine != "hf":
-            raise ValueError(f"rollout.mode=hybrid runs the hf engine inside the train workers; verl's {self.engine} "
-                             f"hybrid engine needs verl's own ActorRolloutRefWorker, which async_rl does not use. Use "
-                             f"rollout.engine=hf, or rollout.mode=standalone with {self.engine}")
-        if int(self.chunk_tokens) < 1:
-            raise ValueError(f"rollout.chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if float(self.cpus_per_replica) < 0:
-            raise ValueError(f"rollout.cpus_per_replica must be >= 0, got {self.cpus_per_replica}")
-        if self.on_replica_failure not in FAILURE_POLICIES:
-            raise ValueError(f"rollout.on_replica_failure={self.on_replica_failure!r}; valid choices: "
-                             f"{', '.join(FAILURE_POLICIES)}")
-        if float(self.health_timeout_s) <= 0:
-            raise ValueError(f"rollout.health_timeout_s must be > 0, got {self.health_timeout_s}")
-        if self.weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"rollout.weight_sync={self.weight_sync!r}; valid choices: {', '.join(WEIGHT_SYNCS)}")
-        if not isinstance(self.checkpoint_backend, str) or not self.checkpoint_backend:
-            raise ValueError("rollout.checkpoint_backend must name a verl checkpoint engine, e.g. ray_object_store "
-                             "or nccl")
-        if self.weight_sync == "pool" and self.checkpoint_backend != "ray_object_store":
-            raise ValueError(f"rollout.checkpoint_backend={self.checkpoint_backend}: the pool's own update moves "
-                             f"weights through the Ray object store; set rollout.weight_sync=checkpoint_manager to "
-                             f"use verl's {self.checkpoint_backend} engine")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ValueError(f"rollout.device={self.device!r}; valid choices: cpu, cuda, null (= trainer.device)")
-        if self.engine == "vllm":  # fail before any model or worker starts
-            from async_rl.rollout.vllm_engine import require_vllm
-
-            require_vllm()
-        if self.vllm_kv_on_update not in ("recompute", "stale"):
-            raise ValueError(f"rollout.vllm_kv_on_update={self.vllm_kv_on_update!r}; valid choices: recompute, stale")
-        if int(self.vllm_kv_cache_memory_bytes) <= 0 or not 0 < float(self.vllm_gpu_memory_utilization) <= 1:
-            raise ValueError("rollout.vllm_kv_cache_memory_bytes must be > 0 and rollout.vllm_gpu_memory_utilization "
-                             "in (0, 1]")
-        if self.engine == "vllm" and self.weight_sync != "pool":
-            raise ValueError("rollout.engine=vllm loads weights through the pool (rollout.weight_sync=pool); verl's "
-                             "checkpoint manager drives verl's own vLLM servers, which async_rl does not use")
-        if self.mode == "hybrid" and self.weight_sync != "pool":
-            raise ValueError("rollout.mode=hybrid copies the weights in memory inside each train rank; "
-                             "rollout.weight_sync=checkpoint_manager has nothing to move there (use pool)")
 
 
 def attach_checkpoint_manager(pool: ReplicaPool, actor_group: Any, backend: str = "ray_object_store",

@@ -25,8 +25,8 @@ from verl.workers.rollout.replica import TokenOutput
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 from async_rl.rollout.checkpoint_engine import BACKEND_NAME, ObjectStoreCheckpointEngine
 from async_rl.rollout.server_base import ReplicaBrokenError, ServerBookkeeping
+from async_rl.rollout.settings import ENGINE_NAMES  # listed once, with the settings
 
-ENGINE_NAMES = ("hf", "vllm", "sglang")
 # engines served by our own server classes (hf_engine / vllm_engine): pause keeps requests, per-token versions
 OWN_SERVER_ENGINES = ("hf", "vllm")
 

