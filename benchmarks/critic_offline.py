@@ -44,7 +44,7 @@ def sample_batches(model: str, num_batches: int, seed: int) -> list:
     """``num_batches`` bootstrap batches (lists of trajectories) from the fixed policy in ``model``."""
     import async_rl.envs.toy  # noqa: F401  (registers the toy envs)
     from async_rl.config import AlgorithmConfig, GateConfig
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.driver.learner import StepResult

@@ -3,8 +3,9 @@
 A result's code is derived, not listed: :data:`RESULT_INPUTS` names the script(s) that write it and the non-Python
 inputs it reads (configs, recipes, data, other results); :func:`sources` adds the transitive import closure of those
 scripts over ``benchmarks/`` and ``src/async_rl/`` (:func:`import_closure`: every ``import`` and ``from ... import``,
-inside functions too, relative imports, the ``__init__`` of every package on the way, and string literals that name
-an ``async_rl`` module, as ``python -m async_rl.train`` and ``make_env("async_rl.envs.x:Env")`` use). An edit to any
+inside functions too, relative imports, the ``__init__`` of every package on the way, string literals
+``"async_rl.x:Attr"`` anywhere (``make_env("async_rl.envs.x:Env")``) and a benchmark script's literal module names
+(``python -m async_rl.train`` in its command line)). An edit to any
 module a benchmark can reach makes its result stale; a hand-written list would miss one (issue 35).
 
 A result is *current* when no commit after the last one that touched the result file touches any of its
@@ -118,7 +119,9 @@ def _direct_imports(path: str, repo: Path) -> frozenset[str]:
             names.extend(f"{base}.{alias.name}" for alias in node.names)  # ``from pkg import module``
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             match = _MODULE_LITERAL.fullmatch(node.value)
-            if match:
+            # ``"pkg.module:Attr"`` loads code anywhere (make_env); a bare module name launches code only in a
+            # benchmark's command line (``-m async_rl.train``): in the package it is data (``sys.orig_argv`` checks)
+            if match and (":" in node.value or package is None):
                 names.append(match.group(1))
     found: set[str] = set()
     for name in names:

@@ -132,7 +132,7 @@ def admission_comparison(model_path: str, args) -> list[dict]:
     """The concurrent driver with and without staleness-aware admission, same seed and config."""
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_learner_and_rollout
+    from async_rl.assemble import RunSpec, build_learner_and_rollout
     from async_rl.driver.concurrent import ConcurrentDriver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits

@@ -42,7 +42,7 @@ def run_one(algo: str, model_dir: str, steps: int) -> dict:
 
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

@@ -60,7 +60,7 @@ def test_a_new_algorithm_is_one_module_and_one_yaml(tmp_path, monkeypatch, tiny_
             cfg = compose(config_name="config", overrides=[
                 "algorithm=reinforce", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
         from async_rl.config import algorithm_config_from_dict
-        from async_rl.driver.build import RunSpec, build_deterministic_driver
+        from async_rl.assemble import RunSpec, build_deterministic_driver
         from async_rl.driver.driver import DriverConfig
         from async_rl.driver.episode import EpisodeLimits
         from async_rl.envs.toy import make_toy_tasks

@@ -76,7 +76,7 @@ def test_the_loaded_model_uses_the_requested_kernels(tiny_model):
 def test_the_in_process_roles_load_with_the_setting(tiny_model):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_learner_and_rollout
+    from async_rl.assemble import RunSpec, build_learner_and_rollout
     from async_rl.envs.toy import make_toy_tasks
 
     torch.set_num_threads(1)

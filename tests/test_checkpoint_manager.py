@@ -136,7 +136,7 @@ def test_a_replica_killed_before_a_manager_update_is_dropped_and_the_update_reac
 def test_the_concurrent_driver_trains_with_verls_manager_moving_every_publication(ray_cluster, tiny_model):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

@@ -69,7 +69,7 @@ def tiny_model(tmp_path_factory):
 
 def _build(model_path, algo, steps, checkpoint_dir=None, **driver_kw):
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
 
@@ -163,7 +163,7 @@ def test_the_concurrent_scheduler_also_checkpoints_a_critic_only_step(tiny_model
     algo = AlgorithmConfig(name="lisao", train_batch_trajectories=8, group_size=1, use_critic=True,
                            policy_loss="dis", critic_warmup_steps=3, actor_lr=1e-3, critic_lr=1e-3)
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
 
@@ -180,7 +180,7 @@ def test_the_concurrent_scheduler_also_checkpoints_a_critic_only_step(tiny_model
 def test_synchronous_baseline_trains_a_round_that_aborts_left_short(tiny_model):
     """One failed env step leaves the synchronous round B - 1 trajectories: it trains on those, never stalls."""
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.base import register_env
     from async_rl.envs.toy import ToyKeysEnv, make_toy_tasks
@@ -253,7 +253,7 @@ def test_driver_config_errors():
 # ------------------------------------------------------------------------------------------------------
 def _build_concurrent(model_path, algo, steps, **driver_kw):
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
 
@@ -296,7 +296,7 @@ def test_a_full_model_context_truncates_episodes_instead_of_failing(tmp_path):
     model = str(make_tiny_model(tmp_path / "short", hidden_size=32, num_layers=1, max_position_embeddings=96))
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
 

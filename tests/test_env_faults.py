@@ -428,7 +428,7 @@ def test_drivers_finish_with_faulty_envs_and_count_the_aborts(tiny_model, schedu
     import torch
 
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_concurrent_driver, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.envs.toy import make_toy_tasks
 

@@ -72,6 +72,32 @@ def test_cached_formatter_gives_exactly_the_uncached_tokens(tokenizer):
     assert (formatter._observation_cache.hits, formatter._observation_cache.misses) == (1, 3)
 
 
+def test_the_observation_frame_comes_from_the_models_chat_template(tmp_path_factory):
+    """Not ChatML by assumption: a Llama 3 template frames observations with its own header tokens, ends a turn
+    with <|eot_id|> (the rollout's stop token), and a model that did not close its turn gets the close first."""
+    from async_rl.driver.episode import ChatFrame
+    from async_rl.models.loading import load_tokenizer
+    from async_rl.models.tiny import make_tiny_model
+
+    tok = load_tokenizer(make_tiny_model(tmp_path_factory.mktemp("llama3") / "m", hidden_size=32, num_layers=1))
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim"
+        " + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+    formatter = ChatFormatter(tok)
+    assert formatter.end_token_id == tok.convert_tokens_to_ids("<|eot_id|>")
+    user_turn = "<|start_header_id|>user<|end_header_id|>\n\nThe key is 7.<|eot_id|>"
+    reopen = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert formatter.frame.observation_text("The key is 7.", True) == user_turn + reopen
+    assert formatter.frame.observation_text("The key is 7.", False) == "<|eot_id|>" + user_turn + reopen
+    assert formatter.observation_ids("The key is 7.", True) == tok(user_turn + reopen, add_special_tokens=False)["input_ids"]
+
+    tok.chat_template = "{{ messages | length }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="renders an earlier turn differently"):
+        ChatFrame.from_tokenizer(tok)
+
+
 def test_cached_token_lists_are_fresh_copies(tokenizer):
     formatter = ChatFormatter(tokenizer)
     first = formatter.observation_ids("Invalid action.", True)

@@ -94,7 +94,7 @@ LAYERS: list[set[str]] = [
     {"verl_plugin"},  # registers algos' functions (and, lazily, the hf rollout replica) in verl's registries
     {"workers"},
     {"driver"},
-    {"tracking", "run_summary", "plots", "eval", "train", "cli_config", "run_dir"},
+    {"tracking", "run_summary", "plots", "eval", "train", "cli_config", "run_dir", "assemble"},
 ]
 
 
@@ -136,3 +136,27 @@ def test_packages_import_only_packages_below_them():
     packages = {package_of(m) for m in graph} - {"async_rl"}
     assert packages == set().union(*LAYERS), "every package and top-level module has a layer"
     assert layering_violations(graph, LAYERS) == []
+
+
+def test_the_driver_imports_no_model_worker_or_engine_code():
+    """The driver holds the buffer, versions and publishing; assembling a run (models, roles, Ray groups,
+    replicas) is ``assemble.py``'s job, and the roles reach the driver typed by Protocols (driver/roles.py)."""
+    graph = import_graph()
+    reached = {(module, target) for module, targets in graph.items() if package_of(module) == "driver"
+               for target in targets if package_of(target) in ("workers", "models", "engine")}
+    assert reached == set()
+
+
+def test_every_trainer_role_meets_the_learners_protocols():
+    from async_rl.driver.roles import PolicyRole, SharedBackboneRole, ValueRole
+    from async_rl.workers.remote import RemoteActor, RemoteCritic, RemoteSapo
+    from async_rl.workers.roles import ActorRole, CriticRole
+    from async_rl.workers.sapo import SapoRole
+
+    for cls in (ActorRole, RemoteActor):
+        assert issubclass(cls, PolicyRole), cls
+    for cls in (CriticRole, RemoteCritic):
+        assert issubclass(cls, ValueRole), cls
+    for cls in (SapoRole, RemoteSapo):
+        assert issubclass(cls, SharedBackboneRole), cls
+    assert not issubclass(CriticRole, PolicyRole)  # the check is not vacuous

@@ -51,7 +51,7 @@ def tiny_model(tmp_path_factory):
 
 def _run(model_path, group_size, **driver_kw):
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import LONG_TAIL_DEFAULT, make_toy_tasks
 

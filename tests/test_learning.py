@@ -61,7 +61,7 @@ def warm_model(tmp_path_factory):
 
 def _run(model, name, seed, steps, **overrides):
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

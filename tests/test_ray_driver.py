@@ -20,7 +20,7 @@ def ray_session():
 
 def test_li2sao_on_ray_worker_groups_with_in_flight_rollout(tmp_path, ray_session):
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

@@ -256,7 +256,7 @@ def tiny_model(tmp_path_factory):
 def _local_driver(model_path, steps, checkpoint_dir=None, sharded=True):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig, GateConfig
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
@@ -316,7 +316,7 @@ def test_concurrent_scheduler_checkpoints_at_a_cut_and_resumes(tiny_model, tmp_p
     policy version, and what the cut held (buffer, live episodes) is what the resumed run starts with."""
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

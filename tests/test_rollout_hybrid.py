@@ -229,7 +229,7 @@ def test_both_schedulers_train_on_hybrid_replicas_inside_the_train_rank(ray_clus
     replica's engine runs in the train process, and the trained lag stays within the cap."""
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_concurrent_driver, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

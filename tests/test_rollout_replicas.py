@@ -282,7 +282,7 @@ def test_concurrent_driver_on_two_replicas_survives_a_replica_killed_mid_run(ray
 
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
@@ -325,7 +325,7 @@ def test_concurrent_driver_on_two_replicas_survives_a_replica_killed_mid_run(ray
 def _concurrent_grpo(model, cap, admission, steps=4, run=True):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import build_learner_and_rollout, RunSpec
+    from async_rl.assemble import build_learner_and_rollout, RunSpec
     from async_rl.driver.concurrent import ConcurrentDriver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
@@ -420,7 +420,7 @@ def test_admission_never_stalls_when_aborted_members_leave_the_pipeline_short_of
 def test_the_deterministic_scheduler_on_ray_workers_also_generates_on_the_replicas(ray_cluster, tiny_model):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

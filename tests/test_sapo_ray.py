@@ -57,7 +57,7 @@ def _sapo_algo(batch: int) -> AlgorithmConfig:
 
 def _spec(model_dir, *, seed: int = 0, training: TrainingSettings | None = None, **kwargs):
     import async_rl.envs.toy  # noqa: F401  (registers the toy envs)
-    from async_rl.driver.build import RunSpec
+    from async_rl.assemble import RunSpec
     from async_rl.envs.toy import make_toy_tasks
 
     return RunSpec(model_path=str(model_dir), env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 32, seed),
@@ -153,7 +153,7 @@ def test_unknown_actor_worker_is_refused_before_any_process_starts(tmp_path):
 
 
 def test_two_rank_sapo_run_matches_a_local_step_and_trains(tmp_path, ray_session):
-    from async_rl.driver.build import build_deterministic_driver
+    from async_rl.assemble import build_deterministic_driver
     from async_rl.driver.learner import Learner
     from async_rl.engine.base import OptimizerConfig
     from async_rl.models.loading import load_causal_lm, load_tokenizer
@@ -209,7 +209,7 @@ def test_two_rank_sapo_run_matches_a_local_step_and_trains(tmp_path, ray_session
 def test_concurrent_sapo_on_ray_never_samples_the_reserved_ids(tmp_path, ray_session):
     """A checkpoint whose lm_head makes w+ or w- the top logit at almost every step: the replicas still never
     sample them (they are banned per request), while the same replicas without the ban sample them often."""
-    from async_rl.driver.build import build_concurrent_driver
+    from async_rl.assemble import build_concurrent_driver
     from async_rl.models.loading import load_causal_lm, load_tokenizer
     from async_rl.rollout.base import GenerationRequest, SamplingParams
     from async_rl.workers.sapo import resolve_reserved_ids

@@ -33,7 +33,7 @@ def _li2sao():
 
 def _spec(model_path):
     import async_rl.envs.toy  # noqa: F401
-    from async_rl.driver.build import RunSpec
+    from async_rl.assemble import RunSpec
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
 
@@ -79,7 +79,7 @@ def _check_order(events: list[tuple]) -> None:
 
 
 def test_deterministic_publishes_the_switch_version_before_the_first_single_rollout(tiny_model):
-    from async_rl.driver.build import build_deterministic_driver
+    from async_rl.assemble import build_deterministic_driver
 
     # update_ticks = 8: the update's publication is due well after the short drain ends, the case where the
     # old ordering launched single rollouts on the pre-switch weights
@@ -92,7 +92,7 @@ def test_deterministic_publishes_the_switch_version_before_the_first_single_roll
 
 
 def test_concurrent_publishes_the_switch_version_before_the_first_single_rollout(tiny_model):
-    from async_rl.driver.build import build_concurrent_driver
+    from async_rl.assemble import build_concurrent_driver
 
     cfg = DriverConfig(total_steps=5, chunk_tokens=4, max_inflight_trajectories=24)
     driver = build_concurrent_driver(_li2sao(), cfg, _spec(tiny_model))

@@ -25,7 +25,7 @@ def warm_vllm_model(tmp_path_factory):
 def test_the_concurrent_driver_trains_li2sao_on_a_vllm_replica_and_learns(ray_cluster, warm_vllm_model, seed):
     import async_rl.envs.toy  # noqa: F401
     from async_rl.config import AlgorithmConfig, GateConfig
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks

@@ -388,7 +388,7 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
 
     import async_rl.envs.toy  # noqa: F401  (registers the embedded envs)
     import async_rl.verl_plugin  # noqa: F401  (our estimators and losses in verl's registries; the CLI defers it)
-    from async_rl.driver.build import RunSpec, build_concurrent_driver, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.engine.settings import TrainingSettings
     from async_rl.plots import plot_run

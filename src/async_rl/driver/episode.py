@@ -99,21 +99,89 @@ class _TokenCache:
         return list(ids)
 
 
+@dataclass(frozen=True)
+class ChatFrame:
+    """How a model's chat template wraps an environment observation between two assistant turns, read off the
+    template itself (:meth:`from_tokenizer`), never assumed: ChatML (Qwen, SmolLM2), Llama 3 and others differ.
+
+    ``turn_close`` is what the template writes after an assistant message's text (ChatML: ``<|im_end|>`` and a
+    newline);
+    ``end_token`` the special token it starts with, the one the model emits to end its turn (the rollout's stop
+    token; None when the close starts with none); ``user_open`` / ``user_close`` surround the observation in a
+    user turn, ``user_close`` including the generation prompt of the next assistant turn.
+    """
+
+    turn_close: str
+    end_token: Optional[str]
+    user_open: str
+    user_close: str
+
+    _ASSISTANT = "ASSISTANT_TEXT_MARK_31d7"
+    _OBSERVATION = "OBSERVATION_TEXT_MARK_31d7"
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "ChatFrame":
+        """Render ``[user, assistant A]`` and ``[user, assistant A, user O]`` + generation prompt; the second
+        minus the first, split at ``O``, is the observation's frame, and what follows ``A`` is the turn's close."""
+        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": cls._ASSISTANT}]
+        try:
+            closed = tokenizer.apply_chat_template(base, tokenize=False)
+            extended = tokenizer.apply_chat_template(base + [{"role": "user", "content": cls._OBSERVATION}],
+                                                     tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error, named below with its fix
+            raise ValueError(f"the tokenizer's chat template cannot render a multi-turn chat ({exc}); multi-turn "
+                             "tasks need a chat model (tokenizer_config.json with a chat_template)") from exc
+        if not extended.startswith(closed) or cls._ASSISTANT not in closed or \
+                extended[len(closed):].count(cls._OBSERVATION) != 1:
+            raise ValueError("the tokenizer's chat template renders an earlier turn differently once a user turn "
+                             "follows it, so observations cannot be appended token by token; use a template "
+                             "whose rendering of a conversation is a prefix of its rendering with one more turn")
+        turn_close = closed[closed.rindex(cls._ASSISTANT) + len(cls._ASSISTANT):]
+        user_open, user_close = extended[len(closed):].split(cls._OBSERVATION)
+        specials = sorted((t for t in getattr(tokenizer, "all_special_tokens", []) +
+                           list(getattr(tokenizer, "added_tokens_encoder", {}) or {}) if t), key=len, reverse=True)
+        end_token = next((t for t in specials if turn_close.startswith(t)), None)
+        return cls(turn_close, end_token, user_open, user_close)
+
+    def observation_text(self, observation: str, model_closed_turn: bool) -> str:
+        """The text appended after a model turn: the rest of the turn's close (all of it when the model did not
+        emit ``end_token``), then the observation as a user turn and the next assistant turn's opening."""
+        close = self.turn_close
+        if model_closed_turn and self.end_token is not None:
+            close = close[len(self.end_token):]
+        return f"{close}{self.user_open}{observation}{self.user_close}"
+
+
 class ChatFormatter:
     """Turns prompts and observations into token ids with the tokenizer's chat template.
 
     Both conversions are pure functions of their text, so results are cached (``_TokenCache``): the
     ``group_size`` members of a prompt group share one chat-template call, and an observation text that
-    repeats ("Invalid action.", "The key is 7.") is tokenised once.
+    repeats ("Invalid action.", "The key is 7.") is tokenised once. The observation's frame comes from the
+    template (:class:`ChatFrame`), built on first use: single-turn tasks never need it.
     """
 
     def __init__(self, tokenizer, system_prompt: Optional[str] = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        end = "<|im_end|>"
-        self.end_token_id = tokenizer.convert_tokens_to_ids(end) if end in tokenizer.get_vocab() else None
+        self._frame: Optional[ChatFrame] = None
         self._prompt_cache = _TokenCache()
         self._observation_cache = _TokenCache()
+
+    @property
+    def frame(self) -> ChatFrame:
+        if self._frame is None:
+            self._frame = ChatFrame.from_tokenizer(self.tokenizer)
+        return self._frame
+
+    @property
+    def end_token_id(self) -> Optional[int]:
+        """Id of the token that ends an assistant turn (the rollout's stop token), or None."""
+        try:
+            end = self.frame.end_token
+        except ValueError:  # no usable chat template: only single-turn tasks can run, stopped by eos
+            return None
+        return self.tokenizer.convert_tokens_to_ids(end) if end is not None else None
 
     def prompt_ids(self, text: str) -> list[int]:
         return self._prompt_cache.get(text, text, lambda: self._render_prompt(text))
@@ -128,10 +196,9 @@ class ChatFormatter:
 
     def observation_ids(self, observation: str, model_closed_turn: bool) -> list[int]:
         """Tokens appended after a model turn: close it if the model did not, then the user observation."""
-        prefix = "\n" if model_closed_turn else "<|im_end|>\n"
         # the whole wrapped text is tokenised at once (not prefix + obs + suffix separately): BPE merges
         # across the boundaries must match what a chat template would give
-        text = f"{prefix}<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+        text = self.frame.observation_text(observation, model_closed_turn)
         return self._observation_cache.get(
             (observation, model_closed_turn), observation,
             lambda: self.tokenizer(text, add_special_tokens=False)["input_ids"])

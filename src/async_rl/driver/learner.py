@@ -22,7 +22,7 @@ from async_rl.config import AlgorithmConfig
 from async_rl.driver.batch import batch_metrics, collate, mark_current_version, turn_tensors
 from async_rl.driver.kl_guard import KLGuard
 from async_rl.driver.trajectory import Trajectory
-from async_rl.workers.roles import ActorRole, CriticRole
+from async_rl.driver.roles import PolicyRole, SharedBackboneRole, ValueRole
 
 
 @dataclass
@@ -37,7 +37,8 @@ class StepResult:
 class Learner:
     """Owns the actor (and critic), the policy version, and Li2SAO's phase and readiness gate."""
 
-    def __init__(self, cfg: AlgorithmConfig, actor: ActorRole, critic: Optional[CriticRole], pad_token_id: int):
+    def __init__(self, cfg: AlgorithmConfig, actor: PolicyRole | SharedBackboneRole, critic: Optional[ValueRole],
+                 pad_token_id: int):
         cfg.validate()
         if cfg.use_critic and critic is None:
             raise ValueError(f"{cfg.name} needs a critic")

@@ -1,0 +1,53 @@
+"""The calls the learner makes on the models it trains: the contract every trainer role meets, in process
+(``workers/roles.py``, ``workers/sapo.py``) or on Ray worker groups (``workers/remote.py``).
+
+Structural types: a role satisfies a Protocol by having the methods, so the driver imports no worker, model or
+engine code (tests/test_import_graph.py). Batches are collated dicts of ``(bs, T)`` tensors (``driver/batch.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class PolicyRole(Protocol):
+    """The actor: one optimizer step with a registered verl policy loss (spec §2-§4)."""
+
+    def update(self, batch: dict[str, torch.Tensor], advantages: torch.Tensor, loss_mode: str, clip_low: float,
+               clip_high: float, dis_low: float, dis_high: float, loss_agg_mode: str = ...) -> dict[str, float]:
+        """Train on ``batch`` with ``advantages`` ``(bs, T)`` and the policy loss named ``loss_mode``."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights for the rollout (what the driver publishes)."""
+
+
+@runtime_checkable
+class ValueRole(Protocol):
+    """The separate critic (LiSAO, Li2SAO, PPO; spec §3-§4)."""
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V_old ``(bs, T)``, frozen for the step."""
+
+    def update(self, batch: dict[str, torch.Tensor], targets: torch.Tensor, mask: torch.Tensor,
+               old_values: torch.Tensor, clip_eps: Optional[float] = ..., ranking: Optional[dict[str, Any]] = ...
+               ) -> dict[str, float]:
+        """One critic pass on ``targets`` under ``mask`` (clipped around ``old_values`` when ``clip_eps``)."""
+
+
+@runtime_checkable
+class SharedBackboneRole(Protocol):
+    """SAPO's one model: policy, V and Q readouts, its own joint loss (spec §5)."""
+
+    def compute_targets(self, batch: dict[str, torch.Tensor], turns: Mapping[str, torch.Tensor], gamma: float = ...,
+                        lam: float = ..., invalid_penalty: float = ...) -> dict[str, torch.Tensor]:
+        """Frozen turn targets from one no-grad pass."""
+
+    def update(self, batch: dict[str, torch.Tensor], turns: Mapping[str, torch.Tensor],
+               targets: Mapping[str, torch.Tensor], **coefficients: float) -> dict[str, float]:
+        """One joint backward on policy, V and Q losses."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights for the rollout."""
