@@ -1,4 +1,4 @@
-"""Attacks on LocalSandbox (issues 13 and 21): each must be contained, bounded in time, and cleaned up.
+"""Attacks on LocalSandbox (issues 13, 21 and 39): each must be contained, bounded in time, and cleaned up.
 
 Every test asserts containment (the attack's goal was not reached), cleanup (no process of the sandbox
 uids, no cgroup, ``cleanup_error is None``, no late teardown failure) and that the sandbox still serves a
