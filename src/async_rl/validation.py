@@ -391,8 +391,13 @@ TRAINER_RULES: dict[str, Rule] = {
 # compute; eager is the reference implementation (slow, for debugging).
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 
+# ``model.packaged``: pretrained models shipped inside a PyPI package, converted once into ``model.dir``
+# (``async_rl.models.packaged.PACKAGED_MODELS``; listed here so validation imports no model code)
+PACKAGED_MODEL_NAMES = ("smollm2",)
+
 MODEL_RULES: dict[str, Rule] = {
     "dir": Rule("str", non_empty=True),
+    "packaged": Rule("str", choices=PACKAGED_MODEL_NAMES, optional=True),
     "build_tiny": Rule("bool"),
     "hidden_size": Rule("int", ">= 8", optional=True),
     "num_layers": Rule("int", ">= 1", optional=True),
@@ -435,6 +440,9 @@ def check_model(model: Mapping[str, Any]) -> dict[str, Any]:
     model = check_mapping("model", model, MODEL_RULES)
     if model.get("dir") in (None, "???"):
         raise ConfigError("model.dir is not set: give model.dir=/path/to/model (or use model=tiny)")
+    if model.get("packaged") and model.get("build_tiny"):
+        raise ConfigError(f"model.packaged={model['packaged']} with model.build_tiny=true: choose one (the packaged "
+                          "model is converted into model.dir; build_tiny builds a random tiny one there)")
     if model.get("build_tiny"):
         for key in ("hidden_size", "num_layers"):
             if model.get(key) is None:
