@@ -253,6 +253,15 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
     driver_cfg = DriverConfig.from_dict(trainer.get("driver", {}))
     driver_cfg.validate(algo.train_batch_trajectories, algo.group_size)
     checked = {"env": check_env(groups["env"]), "model": check_model(groups["model"]), "trainer": trainer}
+    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
+    from async_rl.envs.facts import env_facts
+
+    env_check = env_facts(checked["env"]["name"]).check_config
+    if env_check is not None:  # checks that need the env's own package (reasoning-gym's dataset names)
+        try:
+            env_check(checked["env"])
+        except (ValueError, ImportError) as err:
+            raise ConfigError(str(err)) from err
     # the rest of the run reads cfg: store the normalised values back (1e3 given for an int is 1000, an
     # int given for a float becomes a float); trainer.driver is read from driver_cfg
     given = {f"{g}.{k}": v for g in checked for k, v in groups[g].items() if k != "driver"}

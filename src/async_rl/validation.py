@@ -296,7 +296,7 @@ def dataclass_from_mapping(cls: type, values: Any, prefix: str) -> Any:
 # ----------------------------------------------------------------------------------------------------------
 # env, trainer, model and the top level (free-form Hydra groups: rules written out)
 # ----------------------------------------------------------------------------------------------------------
-TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld")
+TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld", "reasoning_gym")
 ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen", "eval_in_distribution", "eval_out_of_distribution")
 
 _COMMON_ENV_RULES = {
@@ -351,6 +351,18 @@ ENV_RULES: dict[str, dict[str, Rule]] = {
         "goal_range": Rule("list", optional=True, items="int"),
         "check_instruction": Rule("bool"),
         "eval_split": Rule("str", choices=("train", "test", "all")),
+    },
+    "reasoning_gym": {  # any reasoning-gym dataset (envs/reasoning_gym_env.py); names checked against the package
+        "dataset": Rule("str", non_empty=True),
+        "dataset_config": Rule("mapping", optional=True),
+        "data_seed": Rule("int", ">= 0"),
+        "num_train": Rule("int", ">= 1"),
+        "num_eval": Rule("int", ">= 0"),
+        "split": Rule("str", choices=("train", "eval")),
+        "eval_split": Rule("str", choices=("eval",)),
+        "num_tasks": Rule("int", ">= 1", optional=True),
+        "answer_format": Rule("str", choices=("answer_tag", "hashes", "boxed")),
+        "prompt_template": Rule("str", optional=True),
     },
     "alfworld": {
         "data_dir": Rule("str", non_empty=True),
