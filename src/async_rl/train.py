@@ -102,7 +102,7 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
             )
     if not model_cfg.sft.enabled:
         return str(source)
-    warm = target / "sft"
+    warm = Path(model_cfg.sft.get("dir") or target / "sft")  # model.sft.dir: a cache per task (the recipes)
     if not (warm / "config.json").exists():
         from async_rl.models.sft import TASK_DEMO_ENVS, sft_warm_start, sft_warm_start_on_tasks
 

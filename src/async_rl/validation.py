@@ -418,6 +418,7 @@ MODEL_RULES: dict[str, Rule] = {
     "sft.enabled": Rule("bool"),
     "sft.noise": Rule("float", "[0, 1]", optional=True),
     "sft.steps": Rule("int", ">= 1", optional=True),
+    "sft.dir": Rule("str", optional=True),  # where the warm-started model is cached (null: <dir>/sft)
 }
 
 # numpy's seed range: every seed must be accepted by random, numpy and torch alike
