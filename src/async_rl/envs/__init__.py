@@ -24,6 +24,7 @@ from async_rl.envs.math_env import MathEnv  # noqa: E402
 from async_rl.envs import webshop as _webshop  # noqa: E402,F401  ("webshop")
 from async_rl.envs import retool as _retool  # noqa: E402,F401  ("retool")
 from async_rl.envs import alfworld_env as _alfworld  # noqa: E402,F401  ("alfworld"; the package loads lazily)
+from async_rl.envs import reasoning_gym_env as _reasoning_gym  # noqa: E402,F401  ("reasoning_gym"; loads lazily)
 
 __all__ = [
     "Env",

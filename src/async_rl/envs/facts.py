@@ -33,6 +33,9 @@ class EnvFacts:
     eval_split: Optional[str] = None  # agent task: the held-out split eval plays when no eval_sets are given
     toy_eval_set: bool = False  # eval's default set is generated from the task generator under the env's name
     check_at_start: Optional[Callable[[Any], None]] = None  # called on a probe env before the model loads
+    # called on the env config group by train's check_run_config, before anything loads (a ValueError there is the
+    # CLI's one-line error); cheap checks that need the env's package, e.g. reasoning-gym's dataset names
+    check_config: Optional[Callable[[Any], None]] = None
     demonstrations: Optional[Demonstrations] = None  # scripted episodes for the warm start; None: no warm start
     # (env config, eval split, repo root or None) -> (env config, split, note or None): the data the split needs,
     # falling back to data shipped under the repo root when allowed (ALFWorld's mini set)

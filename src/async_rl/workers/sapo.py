@@ -95,15 +95,58 @@ def _added_ids(tokenizer) -> set[int]:
     return {int(i) for i in decoder}
 
 
+def _core_ids(tokenizer) -> set[int]:
+    """eos, pad, bos and unk: tokens a conversation uses even when the chat template does not spell them."""
+    ids: set[int] = set()
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id", "unk_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # several named templates (tool use, RAG)
+        template = "\n".join(str(v) for v in template.values())
+    return str(template)
+
+
+def unused_special_ids(tokenizer) -> list[int]:
+    """Added special tokens no conversation uses, highest id first: flagged special, not eos / pad / bos / unk, and
+    not written anywhere in the chat template (SmolLM2's ``<jupyter_script>``, ``<empty_output>``, ...: pretraining
+    markers of code files; Qwen2.5's vision and FIM markers)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    core, template, size = _core_ids(tokenizer), _template_text(tokenizer), len(tokenizer)
+    unused = []
+    for token_id, token in decoder.items():
+        token_id, text = int(token_id), str(getattr(token, "content", token))
+        if getattr(token, "special", False) and token_id not in core and 0 <= token_id < size \
+                and text and text not in template:
+            unused.append(token_id)
+    return sorted(unused, reverse=True)
+
+
 def default_reserved_ids(tokenizer) -> tuple[int, int]:
     """Pick ``(w+, w-)`` for a tokenizer without dedicated value tokens.
 
-    Rule: the **last two ordinary ids** of the tokenizer's vocabulary, i.e. scanning down from
-    ``len(tokenizer) - 1``, the first two ids that are neither a special token (eos, pad, bos, unk,
-    ``all_special_ids``) nor any added token (chat markers, tool tags). In a BPE vocabulary those are
-    the last merges learned, the rarest multi-byte pieces (for Qwen2.5: two long merges just below the
-    ``<|endoftext|>`` block). Taking them out of the action vocabulary costs the policy almost nothing.
+    Rule, for any model:
+
+    1. the two highest **unused special tokens** (:func:`unused_special_ids`): added tokens flagged special that
+       are not eos / pad / bos / unk and that the chat template never writes. A chat never produces them, so
+       banning them from sampling takes no probability a conversation needs, and with tied embeddings training
+       their rows as the value readout changes no input a prompt contains. The lower id is w+. SmolLM2:
+       ``(15, 16)`` = ``<jupyter_script>``, ``<empty_output>``; the tiny test tokenizer: its value tokens (3, 4).
+    2. otherwise (fewer than two such tokens) the **last two ordinary ids**: scanning down from
+       ``len(tokenizer) - 1``, the first two ids that are neither a special token (eos, pad, bos, unk,
+       ``all_special_ids``) nor any added token (chat markers, tool tags); in a BPE vocabulary the last merges
+       learned, the rarest pieces.
     """
+    unused = unused_special_ids(tokenizer)
+    if len(unused) >= 2:
+        return unused[1], unused[0]  # the lower id is w+
     vocab_size = len(tokenizer)
     excluded = _special_ids(tokenizer) | _added_ids(tokenizer)
     picked: list[int] = []
@@ -150,7 +193,7 @@ def resolve_reserved_ids(
     if missing:
         if tuple(reserved) == DEFAULT_RESERVED_TOKENS:
             ids = default_reserved_ids(tokenizer)
-            logger.warning("tokenizer has no %s: SAPO reads values from the last two ordinary ids %s (%s)",
+            logger.warning("tokenizer has no %s: SAPO reads values from ids %s (%s), default_reserved_ids' rule",
                            missing, ids, tokenizer.convert_ids_to_tokens(list(ids)))
             return ids
         raise ValueError(

@@ -1,0 +1,280 @@
+"""Any reasoning-gym dataset as a single-turn env (``env=reasoning_gym env.dataset=<name>``), scored by the dataset.
+
+reasoning-gym (PyPI ``reasoning-gym`` 0.1.25, Apache-2.0) has about a hundred seeded procedural generators
+(``gsm_symbolic``, ``basic_arithmetic``, ``chain_sum``, ``countdown``, ...), each with its own config dataclass and its
+own ``score_answer(answer, entry) -> float in [0, 1]``. This module:
+
+- **items**: :func:`make_reasoning_gym_tasks` builds one dataset of ``num_train + num_eval`` items from
+  ``(env.dataset, env.dataset_config, env.data_seed)`` and splits it by index: the first ``num_train`` are the
+  training items, the rest the held-out ones, minus any whose question also occurs among the training items (small
+  generators repeat questions), so the two splits never share a question. The same config gives the same items on
+  any machine: the split does not depend on the run's ``seed``, which only orders the prompt stream.
+- **answer extraction** (``env.answer_format``), from the model's whole response, before the dataset's scorer sees
+  it:
+
+  - ``answer_tag``: the text inside the last ``<answer>...</answer>`` (reasoning-gym's own convention:
+    ``reasoning_gym.utils.extract_answer``), stripped;
+  - ``hashes``: the text after the last ``####`` up to the end of that line (GSM8K's convention, and how
+    ``gsm_symbolic``'s worked solutions end), stripped;
+  - ``boxed``: the content of the last closed ``\\boxed{...}`` (the math grader's extractor,
+    :func:`async_rl.rewards.math_reward.extract_answer`, strict).
+
+  No match gives ``None``, which every scorer rates 0 (``invalid_action`` in the step info).
+- **reward**: exactly the dataset's ``score_answer(extracted, entry)`` (some datasets give partial credit, e.g.
+  ``gsm_symbolic`` 0.01 for a number that is wrong); ``success`` means a full score (>= 1).
+
+The task record carries the item as generated (question, answer, metadata), so the env scores what the generator
+made, with the dataset's config as given (some scorers read it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import re
+from typing import Any, Mapping, Optional
+
+from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.facts import Demonstrations, EnvFacts, register_env_facts
+
+ANSWER_FORMATS = ("answer_tag", "hashes", "boxed")
+#: what the prompt asks for, per answer format (appended after the dataset's question)
+FORMAT_INSTRUCTIONS = {
+    "answer_tag": "Think step by step, then give only the final answer between <answer> and </answer>.",
+    "hashes": "Think step by step, then write the final answer on its own last line as: #### <answer>",
+    "boxed": "Think step by step, then put the final answer within \\boxed{}.",
+}
+SPLITS = ("train", "eval")
+INSTALL_HINT = "pip install reasoning-gym==0.1.25 (a pyproject.toml dependency: make install)"
+
+_ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+_HASHES = re.compile(r"####[ \t]*([^\n]*)")
+
+
+def _reasoning_gym():
+    if importlib.util.find_spec("reasoning_gym") is None:
+        raise ImportError(f"env=reasoning_gym needs the reasoning-gym package, which is not installed: {INSTALL_HINT}")
+    import reasoning_gym
+
+    return reasoning_gym
+
+
+def dataset_names() -> list[str]:
+    """Every dataset name reasoning-gym registers."""
+    from reasoning_gym.factory import DATASETS
+
+    _reasoning_gym()
+    return sorted(DATASETS)
+
+
+def create_dataset(name: str, config: Optional[Mapping[str, Any]], seed: int, size: int):
+    """``reasoning_gym.create_dataset(name, seed=seed, size=size, **config)`` with errors that name the fix: an unknown
+    name lists the valid ones, an unknown config key lists the dataset's keys."""
+    import dataclasses
+
+    rg = _reasoning_gym()
+    from reasoning_gym.factory import DATASETS
+
+    if not isinstance(name, str) or name not in DATASETS:
+        raise ValueError(f"env.dataset={name!r} is not a reasoning-gym dataset; valid: {', '.join(sorted(DATASETS))}")
+    config = dict(config or {})
+    for key in ("seed", "size"):
+        if key in config:
+            raise ValueError(f"env.dataset_config.{key}: set env.data_seed / env.num_train / env.num_eval instead "
+                             "(the env derives the dataset's seed and size from them)")
+    config_cls = DATASETS[name][1]
+    known = {f.name for f in dataclasses.fields(config_cls)} - {"seed", "size"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"env.dataset_config has keys {unknown} that {name} does not take; valid: "
+                         f"{', '.join(sorted(known))}")
+    try:
+        return rg.create_dataset(name, seed=int(seed), size=int(size), **config)
+    except (AssertionError, TypeError, ValueError) as err:  # the dataset's own validate()
+        raise ValueError(f"env.dataset_config={config} is not valid for {name}: {err or type(err).__name__}") from err
+
+
+def extract_answer(text: str, answer_format: str) -> Optional[str]:
+    """The answer the response gives in ``answer_format`` (module docstring), or ``None``."""
+    if answer_format == "answer_tag":
+        matches = _ANSWER_TAG.findall(text)
+        return matches[-1].strip() if matches else None
+    if answer_format == "hashes":
+        matches = _HASHES.findall(text)
+        answer = matches[-1].strip() if matches else ""
+        return answer or None
+    if answer_format == "boxed":
+        from async_rl.rewards.math_reward import extract_answer as extract_last_box
+
+        return extract_last_box(text)
+    raise ValueError(f"answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
+
+
+def format_answer(answer: str, answer_format: str) -> str:
+    """How a response states ``answer`` in ``answer_format`` (the inverse of :func:`extract_answer`)."""
+    if answer_format == "answer_tag":
+        return f"<answer>{answer}</answer>"
+    if answer_format == "hashes":
+        return f"#### {answer}"
+    if answer_format == "boxed":
+        return f"\\boxed{{{answer}}}"
+    raise ValueError(f"answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
+
+
+def _jsonable(value: Any) -> Any:
+    """Task records travel through Ray and into result files: metadata made of plain JSON values."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def make_reasoning_gym_tasks(dataset: str, dataset_config: Optional[Mapping[str, Any]] = None, data_seed: int = 0,
+                             num_train: int = 1000, num_eval: int = 100, split: str = "train",
+                             prompt_template: Optional[str] = None, answer_format: str = "answer_tag",
+                             ) -> list[dict[str, Any]]:
+    """The ``split`` items (``train`` or ``eval``) as task records ``{id, prompt, answer, question, entry}``.
+
+    ``prompt`` is ``prompt_template.format(question=..., instruction=...)`` (default: the question, a blank line, the
+    answer format's instruction). Disjoint splits: see the module docstring.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"env.split={split!r}; valid: {', '.join(SPLITS)}")
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"env.answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
+    if int(num_train) < 1 or int(num_eval) < 0:
+        raise ValueError(f"env.num_train={num_train} must be >= 1 and env.num_eval={num_eval} >= 0")
+    data = create_dataset(dataset, dataset_config, data_seed, int(num_train) + max(int(num_eval), 1))
+    items = [data[i] for i in range(int(num_train) + int(num_eval))]
+    train_questions = {item["question"] for item in items[:num_train]}
+    if split == "train":
+        chosen = list(enumerate(items[:num_train]))
+    else:
+        chosen = [(i, item) for i, item in enumerate(items) if i >= num_train
+                  and item["question"] not in train_questions]
+    template = prompt_template or "{question}\n\n{instruction}"
+    instruction = FORMAT_INSTRUCTIONS[answer_format]
+    tasks = []
+    for index, item in chosen:
+        entry = _jsonable({"question": item["question"], "answer": item["answer"],
+                           "metadata": item.get("metadata", {})})
+        tasks.append({"id": f"{dataset}-{data_seed}-{index}", "prompt": template.format(
+            question=item["question"], instruction=instruction), "answer": str(item["answer"]),
+            "question": item["question"], "entry": entry})
+    return tasks
+
+
+@register_env("reasoning_gym")
+class ReasoningGymEnv(Env):
+    """One question, one answer, rewarded by the reasoning-gym dataset's own scorer (module docstring).
+
+    Args:
+        dataset: a reasoning-gym dataset name (``env.dataset``).
+        dataset_config: that dataset's config keys (``env.dataset_config``); some scorers read them.
+        answer_format: how the answer is read from the response: ``answer_tag``, ``hashes`` or ``boxed``.
+
+    ``step`` info: ``extracted_answer`` (str | None), ``score`` (the scorer's float), ``success`` (score >= 1),
+    ``invalid_action`` (no answer in the requested format).
+    """
+
+    max_turns = 1
+
+    def __init__(self, dataset: str = "gsm_symbolic", dataset_config: Optional[Mapping[str, Any]] = None,
+                 answer_format: str = "answer_tag") -> None:
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
+        self.dataset_name = dataset
+        self.answer_format = answer_format
+        self._scorer = create_dataset(dataset, dataset_config, seed=0, size=1)  # only its score_answer is used
+        self._entry: Optional[dict[str, Any]] = None
+        self._done = True
+
+    def reset(self, task: dict[str, Any]) -> str:
+        entry = task.get("entry")
+        if not isinstance(entry, Mapping) or "answer" not in entry or not isinstance(task.get("prompt"), str):
+            raise KeyError(f"reasoning_gym task {task.get('id', '?')!r} needs a 'prompt' text and the generated item "
+                           f"under 'entry' (fields: {sorted(task)}); build tasks with make_reasoning_gym_tasks")
+        self._entry = dict(entry)
+        self._done = False
+        return task["prompt"]
+
+    def step(self, action_text: str) -> StepResult:
+        if self._entry is None:
+            raise RuntimeError("ReasoningGymEnv.step called before reset")
+        if self._done:
+            raise RuntimeError("ReasoningGymEnv episode is over (single turn); call reset for the next task")
+        self._done = True
+        answer = extract_answer(action_text, self.answer_format)
+        score = float(self._scorer.score_answer(answer, self._entry))
+        if not score == score or not 0.0 <= score <= 1.0:  # a scorer out of its documented range: clamp, never NaN
+            score = 0.0 if score != score else min(max(score, 0.0), 1.0)
+        return StepResult(observation="", reward=score, done=True,
+                          info={"extracted_answer": answer, "score": score, "success": score >= 1.0,
+                                "invalid_action": answer is None})
+
+
+def reasoning_gym_env_kwargs(env_cfg: Any) -> dict[str, Any]:
+    config = env_cfg.get("dataset_config")
+    if config is not None and not isinstance(config, Mapping):
+        config = dict(config)
+    return {"dataset": env_cfg.get("dataset"), "dataset_config": dict(config or {}),
+            "answer_format": env_cfg.get("answer_format") or "answer_tag"}
+
+
+def _to_plain(value: Any) -> Any:
+    try:  # an OmegaConf node (the Hydra config) -> plain dict
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return value
+
+
+def _tasks_from_config(env_cfg: Any, seed: int) -> list[dict[str, Any]]:
+    """The prompt stream's records: ``env.split``'s items (train unless eval asks otherwise), ordered by ``seed``
+    (training) so runs with different seeds see the same items in different orders."""
+    split = env_cfg.get("split") or "train"
+    tasks = make_reasoning_gym_tasks(
+        env_cfg.get("dataset"), _to_plain(env_cfg.get("dataset_config")), int(env_cfg.get("data_seed") or 0),
+        int(env_cfg.get("num_train")), int(env_cfg.get("num_eval")), split=split,
+        prompt_template=env_cfg.get("prompt_template"), answer_format=env_cfg.get("answer_format") or "answer_tag")
+    if split == "eval" and env_cfg.get("num_tasks"):  # make eval limit=N
+        tasks = tasks[:int(env_cfg.get("num_tasks"))]
+    if split == "train":
+        random.Random(seed).shuffle(tasks)
+    return tasks
+
+
+def _worked_solution_policy(env, task: dict[str, Any], noisy: bool, rng: random.Random, **_: Any):
+    """SFT warm start: the item's worked solution when the dataset ships one (``metadata.answer_cot``, e.g.
+    gsm_symbolic; its final ``#### N`` line is restated in the env's answer format), else the bare answer. A noisy
+    demonstration states a wrong final answer (one digit changed, or a different string)."""
+    from async_rl.envs.demonstrations import _wrong_number
+
+    entry = task["entry"]
+    answer = str(entry["answer"]).strip()
+    stated = _wrong_number(rng, answer) if noisy else answer
+    if noisy and stated == answer:
+        stated = answer + "0"
+    cot = str((entry.get("metadata") or {}).get("answer_cot") or "").strip()
+    cot = _HASHES.sub("", cot).rstrip()  # its own final line goes; the answer is restated below
+    text = (cot + "\n" if cot else "") + format_answer(stated, env.answer_format)
+
+    def act(observation: str) -> str:
+        return text
+
+    return act
+
+
+REASONING_GYM_DEMONSTRATIONS = Demonstrations(
+    policy=_worked_solution_policy, think_fillers=False,
+    sft_defaults={"noise": 0.5, "steps": 60, "clean_fraction": 0.5, "num_demos": 128, "batch_size": 4})
+
+def _check_config(env_cfg: Any) -> None:
+    """Before any model loads: the dataset name, its config keys and the answer format (builds a one-item dataset)."""
+    create_dataset(env_cfg.get("dataset"), _to_plain(env_cfg.get("dataset_config")), 0, 1)
+
+
+register_env_facts("reasoning_gym", EnvFacts(make_tasks=_tasks_from_config, env_kwargs=reasoning_gym_env_kwargs,
+                                             eval_split="eval", demonstrations=REASONING_GYM_DEMONSTRATIONS,
+                                             check_config=_check_config))

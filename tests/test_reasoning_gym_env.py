@@ -1,0 +1,151 @@
+"""env=reasoning_gym: any reasoning-gym dataset by name, seeded, disjoint train/eval items, scored by the dataset's
+own scorer after the documented answer extraction. Hand-worked cases use questions written here, scored by the
+dataset's scorer rules (reasoning-gym 0.1.25: exact match 1.0, else len(oracle)/len(answer) when the oracle occurs in
+the answer, else 0; gsm_symbolic: 1.0 for the right number, 0.01 for another number, 0 for none)."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_rl.envs import make_env
+from async_rl.envs.reasoning_gym_env import (ANSWER_FORMATS, REASONING_GYM_DEMONSTRATIONS, create_dataset,
+                                             extract_answer, format_answer, make_reasoning_gym_tasks)
+
+SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # few distinct questions: collisions
+
+
+def _task(question: str, answer: str, prompt: str = "q") -> dict:
+    return {"id": "hand", "prompt": prompt, "answer": answer,
+            "entry": {"question": question, "answer": answer, "metadata": {}}}
+
+
+@pytest.mark.parametrize("text, fmt, expected", [
+    ("<answer>3</answer> no, <answer> 42 </answer>", "answer_tag", "42"),  # the last tag, stripped
+    ("<answer>\n7\n</answer>", "answer_tag", "7"),
+    ("The answer is 42.", "answer_tag", None),
+    ("<answer>42", "answer_tag", None),  # never closed
+    ("2 + 3 = 5\n#### 5\n", "hashes", "5"),
+    ("#### 4\nwait\n#### 6", "hashes", "6"),
+    ("#### \n", "hashes", None),  # nothing after the marker
+    ("so \\boxed{12} and then \\boxed{13}", "boxed", "13"),
+    ("\\boxed{12", "boxed", None),
+])
+def test_answer_extraction(text, fmt, expected):
+    assert extract_answer(text, fmt) == expected
+
+
+def test_format_answer_round_trips_every_format():
+    for fmt in ANSWER_FORMATS:
+        assert extract_answer("some work\n" + format_answer("-17", fmt), fmt) == "-17"
+
+
+def test_step_is_scored_by_the_datasets_own_scorer():
+    env = make_env("reasoning_gym", dataset="basic_arithmetic", dataset_config=SMALL)
+    task = _task("Calculate 17 + 25.", "42")
+    cases = [("<answer>42</answer>", 1.0, True, False),
+             ("<answer>41</answer>", 0.0, False, False),
+             ("<answer>x = 42</answer>", 2 / 6, False, False),  # default scorer's partial credit: 2 of 6 chars
+             ("42", 0.0, False, True)]  # no tag: nothing extracted
+    for text, reward, success, invalid in cases:
+        assert env.reset(task) == "q"
+        result = env.step(text)
+        assert result.done and result.reward == pytest.approx(reward)
+        assert result.info["success"] is success and result.info["invalid_action"] is invalid
+    with pytest.raises(RuntimeError, match="over"):
+        env.step("<answer>42</answer>")
+
+
+def test_gsm_symbolic_scorer_reads_the_number_in_hashes_format():
+    env = make_env("reasoning_gym", dataset="gsm_symbolic", answer_format="hashes")
+    task = _task("Tom has 3 apples and buys 5 more. How many apples does he have?", "8")
+    for text, reward in [("3 + 5 = 8\n#### 8", 1.0), ("#### 8 apples", 1.0), ("#### 9", 0.01), ("#### none", 0.0),
+                         ("8", 0.0)]:
+        env.reset(task)
+        assert env.step(text).reward == pytest.approx(reward), text
+
+
+def test_items_are_seeded_and_the_run_seed_only_orders_them():
+    from async_rl.envs.facts import env_facts
+
+    first = make_reasoning_gym_tasks("gsm_symbolic", {}, data_seed=3, num_train=20, num_eval=5)
+    again = make_reasoning_gym_tasks("gsm_symbolic", {}, data_seed=3, num_train=20, num_eval=5)
+    other = make_reasoning_gym_tasks("gsm_symbolic", {}, data_seed=4, num_train=20, num_eval=5)
+    assert first == again
+    assert [t["question"] for t in first] != [t["question"] for t in other]
+    cfg = {"name": "reasoning_gym", "dataset": "gsm_symbolic", "dataset_config": {}, "data_seed": 3, "num_train": 20,
+           "num_eval": 5, "split": "train", "answer_format": "answer_tag"}
+    make = env_facts("reasoning_gym").make_tasks
+    seed0, seed1 = make(cfg, 0), make(cfg, 1)
+    assert seed0 == make(cfg, 0) and [t["id"] for t in seed0] != [t["id"] for t in seed1]
+    assert sorted(t["id"] for t in seed0) == sorted(t["id"] for t in seed1) == sorted(t["id"] for t in first)
+
+
+@pytest.mark.parametrize("data_seed", [0, 1, 2])
+def test_train_and_eval_never_share_a_question(data_seed):
+    # 1-digit a op b: ~ 4 * 19 * 19 questions at most, so 300 items repeat many of them
+    train = make_reasoning_gym_tasks("basic_arithmetic", SMALL, data_seed, num_train=300, num_eval=100, split="train")
+    held = make_reasoning_gym_tasks("basic_arithmetic", SMALL, data_seed, num_train=300, num_eval=100, split="eval")
+    assert len(train) == 300 and 0 < len(held) < 100  # collisions were dropped from eval, not from train
+    assert not {t["question"] for t in train} & {t["question"] for t in held}
+    assert not {t["id"] for t in train} & {t["id"] for t in held}
+
+
+def test_bad_names_and_configs_list_what_is_valid():
+    with pytest.raises(ValueError) as info:
+        create_dataset("gsm8k", {}, 0, 1)
+    assert "not a reasoning-gym dataset" in str(info.value)
+    assert "gsm_symbolic" in str(info.value) and "basic_arithmetic" in str(info.value)
+    with pytest.raises(ValueError, match="does not take; valid: .*max_terms"):
+        create_dataset("basic_arithmetic", {"max_term": 3}, 0, 1)
+    with pytest.raises(ValueError, match="data_seed"):
+        create_dataset("basic_arithmetic", {"seed": 3}, 0, 1)
+    with pytest.raises(ValueError, match="not valid for basic_arithmetic"):
+        create_dataset("basic_arithmetic", {"min_terms": 3, "max_terms": 2}, 0, 1)
+    with pytest.raises(ValueError, match="answer_format"):
+        make_env("reasoning_gym", dataset="gsm_symbolic", answer_format="json")
+    with pytest.raises(KeyError, match="entry"):
+        make_env("reasoning_gym", dataset="gsm_symbolic").reset({"id": 1, "prompt": "q", "answer": "3"})
+
+
+@pytest.mark.slow
+def test_cli_refuses_an_unknown_dataset_in_one_line(tmp_path, capsys):
+    from async_rl.train import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["env=reasoning_gym", "env.dataset=gsm8k", f"trainer.output_dir={tmp_path}", "trainer.device=cpu"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "env.dataset='gsm8k'" in err[0] and "gsm_symbolic" in err[0]
+
+
+@pytest.mark.parametrize("fmt", ["hashes", "answer_tag"])
+def test_worked_solution_demonstrations_score_full_marks_and_noisy_ones_do_not(fmt):
+    import random
+
+    env = make_env("reasoning_gym", dataset="gsm_symbolic", answer_format=fmt)
+    tasks = make_reasoning_gym_tasks("gsm_symbolic", {}, 0, num_train=8, num_eval=0, answer_format=fmt)
+    rng = random.Random(0)
+    for task in tasks:
+        clean = REASONING_GYM_DEMONSTRATIONS.policy(env, task, False, rng)(task["prompt"])
+        assert clean.count("####") == (1 if fmt == "hashes" else 0)  # the worked solution's own #### line is gone
+        env.reset(task)
+        assert env.step(clean).reward == 1.0
+        noisy = REASONING_GYM_DEMONSTRATIONS.policy(env, task, True, rng)(task["prompt"])
+        env.reset(task)
+        assert env.step(noisy).reward < 1.0
+
+
+def test_eval_plays_the_held_out_split():
+    from omegaconf import OmegaConf
+
+    from async_rl.eval import load_sets
+
+    env_cfg = OmegaConf.create({"name": "reasoning_gym", "dataset": "gsm_symbolic", "dataset_config": {},
+                                "data_seed": 0, "num_train": 30, "num_eval": 6, "split": "train",
+                                "eval_split": "eval", "num_tasks": None, "answer_format": "hashes",
+                                "prompt_template": None})
+    cfg = OmegaConf.create({"eval_sets": [], "limit": 4, "fallback_to_mini_sets": False, "seed": 0})
+    [(name, tasks)] = load_sets(cfg, env_cfg)
+    train = make_reasoning_gym_tasks("gsm_symbolic", {}, 0, 30, 6, answer_format="hashes")
+    assert name == "reasoning_gym_eval" and len(tasks) == 4
+    assert not {t["question"] for t in tasks} & {t["question"] for t in train}
