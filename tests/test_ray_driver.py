@@ -25,7 +25,7 @@ def test_li2sao_on_ray_worker_groups_with_in_flight_rollout(tmp_path, ray_sessio
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
     from async_rl.models.tiny import make_tiny_model
-    from async_rl.workers.verl_workers import RemoteActor, RemoteCritic
+    from async_rl.workers.remote import RemoteActor, RemoteCritic
 
     torch.set_num_threads(1)
     model = make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1)

@@ -108,7 +108,7 @@ class _RecordingSapoGroup:
 
 
 def test_remote_sapo_pads_odd_batches_with_zero_weight_rows():
-    from async_rl.workers.verl_workers import RemoteSapo
+    from async_rl.workers.remote import RemoteSapo
 
     bs, T, K = 3, 4, 2
     batch = {"prompts": torch.ones(bs, 2, dtype=torch.long), "prompt_mask": torch.ones(bs, 2),
@@ -158,7 +158,7 @@ def test_two_rank_sapo_run_matches_a_local_step_and_trains(tmp_path, ray_session
     from async_rl.engine.base import OptimizerConfig
     from async_rl.models.loading import load_causal_lm, load_tokenizer
     from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
-    from async_rl.workers.verl_workers import RemoteSapo
+    from async_rl.workers.remote import RemoteSapo
 
     model = make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1)
     # 5 trajectories over 2 ranks: one zero-weight padding row; a token budget that splits every shard in two

@@ -27,14 +27,8 @@ from async_rl.models.loading import load_causal_lm  # noqa: E402
 from async_rl.models.tiny import make_tiny_model  # noqa: E402
 from async_rl.workers.placement import make_worker_groups, shutdown_worker_groups  # noqa: E402
 from async_rl.workers.roles import ActorRole, CriticRole  # noqa: E402
-from async_rl.workers.verl_workers import (  # noqa: E402
-    WorkerCallError,
-    WorkerTimeoutError,
-    batch_to_proto,
-    pad_proto_for_dp,
-    proto_to_batch,
-    wait_for_workers,
-)
+from async_rl.workers.calls import WorkerCallError, WorkerTimeoutError, wait_for_workers  # noqa: E402
+from async_rl.workers.proto import batch_to_proto, pad_proto_for_dp, proto_to_batch  # noqa: E402
 
 OPTIM = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, max_grad_norm=1.0)
 CALL_TIMEOUT_S = 240.0
@@ -257,7 +251,8 @@ def test_colocated_and_disaggregated_rollouts_are_identical(disagg, coloc, coloc
             assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-5)
 
     # the DataProto form of the same call gives the same result
-    from async_rl.workers.verl_workers import batch_to_proto as to_proto, outputs_from_proto
+    from async_rl.workers.proto import batch_to_proto as to_proto
+    from async_rl.workers.rollout_worker import outputs_from_proto
 
     proto = to_proto({"prompt_ids": [r["prompt_ids"] for r in reqs], "request_id": [r["request_id"] for r in reqs],
                       "seed": [r["sampling"]["seed"] for r in reqs]},
@@ -312,7 +307,8 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
     from async_rl.workers.placement import _group, _pool
     from async_rl.driver.batch import turn_tensors
     from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
-    from async_rl.workers.verl_workers import SapoWorker, batch_to_proto, metrics_from_proto
+    from async_rl.workers.proto import batch_to_proto, metrics_from_proto
+    from async_rl.workers.sapo_worker import SapoWorker
 
     batch, _ = training_batch(seed=3, n=4)
     turns = turn_tensors(batch)

@@ -150,7 +150,7 @@ class Learner:
         :attr:`shard_model_state` is set (their engines save shards as one rank)."""
         if self.shard_model_state is not None:
             return bool(self.shard_model_state)
-        return bool(getattr(self.actor, "saves_sharded", False))
+        return bool(self.actor.saves_sharded)
 
     def state_dict(self) -> dict:
         """Counters, phase and gate; plus full model/optimizer state unless :attr:`model_state_sharded`."""
@@ -160,21 +160,18 @@ class Learner:
         }
         if self.model_state_sharded:
             state["model_state"] = "sharded"
-            state["train_world_size"] = int(getattr(self.actor, "world_size", 1))
+            state["train_world_size"] = int(self.actor.world_size)
             return state
         state["model_state"] = "full"
-        state["actor_model"] = self.actor.engine.full_state_dict()
-        state["actor_optim"] = self.actor.engine.optimizer_state_dict()
-        if self.critic is not None:
-            state["critic_model"] = self.critic.engine.full_state_dict()
-            state["critic_optim"] = self.critic.engine.optimizer_state_dict()
+        for name, role in self._roles():
+            full = role.state_dict()
+            state[f"{name}_model"], state[f"{name}_optim"] = full["model"], full["optim"]
         return state
 
     def save_model_shards(self, directory: Path) -> None:
         """Actor (and critic) model + AdamW state, sharded, under ``directory/actor`` (``/critic``)."""
-        self._sharded_engine(self.actor).save_sharded(Path(directory) / "actor")
-        if self.critic is not None:
-            self._sharded_engine(self.critic).save_sharded(Path(directory) / "critic")
+        for name, role in self._roles():
+            role.save_sharded(Path(directory) / name)
 
     def load_state_dict(self, state: dict, shards_dir: Optional[str | Path] = None) -> None:
         """Restore; ``shards_dir`` is where a checkpoint with sharded model state keeps it.
@@ -196,21 +193,16 @@ class Learner:
         if state["gate"] is not None:
             self.gate = ReadinessGate.from_state_dict(state["gate"])
         saved_ranks = state.get("train_world_size")
-        ranks_now = int(getattr(self.actor, "world_size", 1))
+        ranks_now = int(self.actor.world_size)
         if saved_ranks is not None and int(saved_ranks) != ranks_now:
             print(f"resume: resharding the model and optimizer state saved on {saved_ranks} train rank(s) onto "
                   f"{ranks_now}", flush=True)
-        roles = [("actor", self.actor)] + ([("critic", self.critic)] if self.critic is not None else [])
-        for name, role in roles:
+        for name, role in self._roles():
             if saved_as == "sharded":
-                self._sharded_engine(role).load_sharded(Path(shards_dir) / name)
-            elif hasattr(role, "engine"):
-                role.engine.load_full_state_dict(state[f"{name}_model"])
-                role.engine.load_optimizer_state_dict(state[f"{name}_optim"])
-            else:  # a worker group: rank 0 scatters the full state
+                role.load_sharded(Path(shards_dir) / name)
+            else:  # in process: into the engine; a worker group: rank 0 scatters the full state
                 role.load_state_dict({"model": state[f"{name}_model"], "optim": state[f"{name}_optim"]})
 
-    @staticmethod
-    def _sharded_engine(role):
-        """What saves and loads shards: a worker-group adapter itself, or an in-process role's engine."""
-        return role if getattr(role, "saves_sharded", False) else role.engine
+    def _roles(self) -> list[tuple[str, object]]:
+        """The trained roles by checkpoint name; each meets driver/roles.py's checkpoint calls."""
+        return [("actor", self.actor)] + ([("critic", self.critic)] if self.critic is not None else [])

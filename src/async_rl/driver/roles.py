@@ -13,7 +13,26 @@ import torch
 
 
 @runtime_checkable
-class PolicyRole(Protocol):
+class CheckpointedRole(Protocol):
+    """The checkpoint calls the learner makes on every trained role, in process or on a worker group. Each role
+    also has ``saves_sharded`` (True: the driver's checkpoints keep its state as shards, every rank its own) and
+    ``world_size`` (its data-parallel ranks)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model", "optim"}``: full weights and optimizer state."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` saved at any world size."""
+
+    def save_sharded(self, directory) -> dict[str, Any]:
+        """Every rank writes its shard of model and optimizer state under ``directory``."""
+
+    def load_sharded(self, directory) -> dict[str, Any]:
+        """Load :meth:`save_sharded`'s shards, saved at this or another world size."""
+
+
+@runtime_checkable
+class PolicyRole(CheckpointedRole, Protocol):
     """The actor: one optimizer step with a registered verl policy loss (spec §2-§4)."""
 
     def update(self, batch: dict[str, torch.Tensor], advantages: torch.Tensor, loss_mode: str, clip_low: float,
@@ -25,7 +44,7 @@ class PolicyRole(Protocol):
 
 
 @runtime_checkable
-class ValueRole(Protocol):
+class ValueRole(CheckpointedRole, Protocol):
     """The separate critic (LiSAO, Li2SAO, PPO; spec §3-§4)."""
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -38,7 +57,7 @@ class ValueRole(Protocol):
 
 
 @runtime_checkable
-class SharedBackboneRole(Protocol):
+class SharedBackboneRole(CheckpointedRole, Protocol):
     """SAPO's one model: policy, V and Q readouts, its own joint loss (spec §5)."""
 
     def compute_targets(self, batch: dict[str, torch.Tensor], turns: Mapping[str, torch.Tensor], gamma: float = ...,

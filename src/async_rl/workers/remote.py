@@ -21,11 +21,12 @@ def _first(values):
     return values[0] if isinstance(values, list) else values
 
 
-class RemoteActor:
-    """The :class:`~async_rl.workers.roles.ActorRole` calls, served by an ActorWorker group.
+class RemoteRole:
+    """What every driver-side adapter shares, written once: the worker group, the call timeout, and the
+    checkpoint calls of a :class:`~async_rl.workers.train_workers.TrainedRoleWorker` group (full state through
+    rank 0, or every rank its shard: the driver's checkpoints use the sharded form, ``saves_sharded``)."""
 
-    Batches are collated dicts (or DataProtos); padding for DP and the timeout are handled here.
-    """
+    saves_sharded = True
 
     def __init__(self, worker_group, timeout_s: Optional[float] = None):
         self.wg = worker_group
@@ -34,6 +35,29 @@ class RemoteActor:
     def _kw(self, timeout_s):
         t = self.timeout_s if timeout_s is None else timeout_s
         return {} if t is None else {"timeout_s": t}
+
+    @property
+    def world_size(self) -> int:
+        return int(self.wg.world_size)
+
+    def state_dict(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        return _first(self.wg.state_dict(**self._kw(timeout_s)))
+
+    def load_state_dict(self, state: dict[str, Any], timeout_s: Optional[float] = None) -> None:
+        self.wg.load_state_dict(ray.put(state), **self._kw(timeout_s))
+
+    def save_sharded(self, directory, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        return _first(self.wg.save_sharded(os.fspath(directory), **self._kw(timeout_s)))
+
+    def load_sharded(self, directory, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        return _first(self.wg.load_sharded(os.fspath(directory), **self._kw(timeout_s)))
+
+
+class RemoteActor(RemoteRole):
+    """The :class:`~async_rl.workers.roles.ActorRole` calls, served by an ActorWorker group.
+
+    Batches are collated dicts (or DataProtos); padding for DP and the timeout are handled here.
+    """
 
     def log_probs(self, batch, timeout_s: Optional[float] = None) -> torch.Tensor:
         proto = batch if isinstance(batch, DataProto) else batch_to_proto(batch)
@@ -57,34 +81,9 @@ class RemoteActor:
     def publish_weights(self, version: int, timeout_s: Optional[float] = None) -> dict[str, Any]:
         return _first(self.wg.publish_weights(version, **self._kw(timeout_s)))
 
-    def state_dict(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
-        return _first(self.wg.state_dict(**self._kw(timeout_s)))
 
-    def load_state_dict(self, state: dict[str, Any], timeout_s: Optional[float] = None) -> None:
-        self.wg.load_state_dict(ray.put(state), **self._kw(timeout_s))
-
-    # checkpoints of the driver (Learner.save_model_shards): every rank writes its own shard
-    saves_sharded = True
-
-    @property
-    def world_size(self) -> int:
-        return int(self.wg.world_size)
-
-    def save_sharded(self, directory, timeout_s: Optional[float] = None) -> dict[str, Any]:
-        return _first(self.wg.save_sharded(os.fspath(directory), **self._kw(timeout_s)))
-
-    def load_sharded(self, directory, timeout_s: Optional[float] = None) -> dict[str, Any]:
-        return _first(self.wg.load_sharded(os.fspath(directory), **self._kw(timeout_s)))
-
-
-class RemoteCritic:
+class RemoteCritic(RemoteRole):
     """The :class:`~async_rl.workers.roles.CriticRole` calls, served by a CriticWorker group."""
-
-    def __init__(self, worker_group, timeout_s: Optional[float] = None):
-        self.wg = worker_group
-        self.timeout_s = timeout_s
-
-    _kw = RemoteActor._kw
 
     def values(self, batch, timeout_s: Optional[float] = None) -> torch.Tensor:
         proto = batch if isinstance(batch, DataProto) else batch_to_proto(batch)
@@ -104,24 +103,13 @@ class RemoteCritic:
         padded, _ = pad_proto_for_dp(batch_to_proto(data, meta), self.wg.world_size)
         return metrics_from_proto(self.wg.update_critic(padded, **self._kw(timeout_s)))
 
-    def state_dict(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
-        return _first(self.wg.state_dict(**self._kw(timeout_s)))
-
-    def load_state_dict(self, state: dict[str, Any], timeout_s: Optional[float] = None) -> None:
-        self.wg.load_state_dict(ray.put(state), **self._kw(timeout_s))
-
-    saves_sharded = True
-    world_size = RemoteActor.world_size
-    save_sharded = RemoteActor.save_sharded
-    load_sharded = RemoteActor.load_sharded
-
 
 # rows added by pad_proto_for_dp to a SAPO batch: no model token, no valid turn, hence no loss weight and no share
 # of the global turn-advantage statistics (the frozen targets of such a row are zero too)
 SAPO_ZERO_WEIGHT_KEYS = ("response_mask", "turn_mask", "target_turn_mask", "target_token_advantages")
 
 
-class RemoteSapo:
+class RemoteSapo(RemoteRole):
     """The :class:`~async_rl.workers.sapo.SapoRole` calls the learner makes (spec §5), served by a
     :class:`SapoWorker` group: ``compute_targets``, ``update``, the weight export and
     checkpoints, and ``banned_token_ids`` for the rollout's sampling.
@@ -135,19 +123,11 @@ class RemoteSapo:
     def __init__(self, worker_group, reserved_ids: Sequence[int], timeout_s: Optional[float] = None):
         if len(tuple(reserved_ids)) != 2:
             raise ValueError(f"RemoteSapo needs the two reserved value ids (w+, w-), got {tuple(reserved_ids)}")
-        self.wg = worker_group
+        super().__init__(worker_group, timeout_s)
         self.reserved_ids = tuple(int(i) for i in reserved_ids)
-        self.timeout_s = timeout_s
 
-    _kw = RemoteActor._kw
-    export_weights = RemoteActor.export_weights
+    export_weights = RemoteActor.export_weights  # a SapoWorker is an ActorWorker: the same weight calls
     publish_weights = RemoteActor.publish_weights
-    state_dict = RemoteActor.state_dict
-    load_state_dict = RemoteActor.load_state_dict
-    saves_sharded = True  # driver checkpoints: SapoWorker inherits ActorWorker's save_sharded/load_sharded
-    world_size = RemoteActor.world_size
-    save_sharded = RemoteActor.save_sharded
-    load_sharded = RemoteActor.load_sharded
 
     @property
     def banned_token_ids(self) -> tuple[int, int]:

@@ -50,7 +50,32 @@ def _select(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, tor
     return {k: v[rows] for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0}
 
 
-class ActorRole:
+class EngineCheckpoints:
+    """The checkpoint calls of an in-process role, the same as a worker group adapter's
+    (:class:`~async_rl.workers.remote.RemoteRole`), so the learner saves and loads either kind alike
+    (driver/roles.py). Needs ``self.engine``."""
+
+    saves_sharded = False  # the driver's checkpoint holds this role's full state unless told to shard it
+    world_size = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model", "optim"}``: full weights and optimizer state (CPU tensors)."""
+        return {"model": self.engine.full_state_dict(), "optim": self.engine.optimizer_state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_full_state_dict(state["model"])
+        if state.get("optim") is not None:
+            self.engine.load_optimizer_state_dict(state["optim"])
+
+    def save_sharded(self, directory) -> dict[str, Any]:
+        """This process's shard of model + AdamW state (one rank here; torch.distributed.checkpoint)."""
+        return self.engine.save_sharded(directory)
+
+    def load_sharded(self, directory) -> dict[str, Any]:
+        return self.engine.load_sharded(directory)
+
+
+class ActorRole(EngineCheckpoints):
     """The policy: log-probs, entropy, one update with a verl-registered policy loss, weight export."""
 
     def __init__(
@@ -156,7 +181,7 @@ class ActorRole:
         return self.engine.full_state_dict()
 
 
-class CriticRole:
+class CriticRole(EngineCheckpoints):
     """The separate critic: policy backbone + value head, attention frozen, its own optimizer and lr."""
 
     def __init__(

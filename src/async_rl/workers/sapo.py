@@ -46,6 +46,7 @@ from async_rl.models.logprobs import (
     position_ids_from_attention_mask,
     token_logprobs_from_logits,
 )
+from async_rl.workers.roles import EngineCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ def _global_normalise(adv: torch.Tensor, turn_mask: torch.Tensor, invalid: Optio
 # ----------------------------------------------------------------------------------------------------
 # the role
 # ----------------------------------------------------------------------------------------------------
-class SapoRole:
+class SapoRole(EngineCheckpoints):
     """Policy, V and Q on one backbone, trained with one joint loss (spec §5).
 
     Args:

@@ -55,7 +55,54 @@ def _checkpoint(engine) -> tuple[dict, Optional[dict]]:
     return model, optim
 
 
-class ActorWorker(RoleWorker):
+class TrainedRoleWorker(RoleWorker):
+    """What every trained role's worker shares, written once: the optimizer-step counter a colocated rollout
+    checks, and the four checkpoint calls (full state through rank 0, sharded state on every rank). A subclass
+    sets ``self.role`` (an object with an ``engine``) in ``init_model``. Loading weights frees a colocated
+    rollout's KV cache first and counts as a weight change (a colocated rollout must sync again)."""
+
+    def __init__(self, *, torch_threads: Optional[int] = 1, device: Optional[str] = None,
+                 dist_timeout_s: float = 600.0):
+        super().__init__(torch_threads=torch_threads, device=device, dist_timeout_s=dist_timeout_s)
+        self.role = None
+        self.update_count = 0  # optimizer steps taken and weight loads (a colocated rollout checks it was synced)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """Rank 0: ``{"model", "optim", "update_count"}`` (full, world-size independent); others None."""
+        self._require_model()
+        model, optim = _checkpoint(self.role.engine)
+        return {"model": model, "optim": optim, "update_count": self.update_count} if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Load a :meth:`state_dict` (saved at any world size); ``optim`` is optional."""
+        self._require_model()
+        self._free_colocated_rollout_cache()
+        self.role.engine.load_full_state_dict(state["model"])
+        if state.get("optim") is not None:
+            self.role.engine.load_optimizer_state_dict(state["optim"])
+        self.update_count = int(state.get("update_count", self.update_count)) + 1  # weights changed
+        return True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_sharded(self, directory: str) -> dict[str, Any]:
+        """Every rank writes its shard of model + AdamW state under ``directory`` (one file system all
+        ranks see); nothing is gathered. Returns the engine's metadata (world size, optimizer state)."""
+        self._require_model()
+        return self.role.engine.save_sharded(directory)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_sharded(self, directory: str) -> dict[str, Any]:
+        """Load :meth:`save_sharded`'s shards, saved at this or another world size (DCP reshards)."""
+        self._require_model()
+        self._free_colocated_rollout_cache()
+        meta = self.role.engine.load_sharded(directory)
+        self.update_count += 1  # weights changed: a colocated rollout must sync again
+        return meta
+
+
+class ActorWorker(TrainedRoleWorker):
     """The policy on one data-parallel rank (FSDP2 over the worker group's ranks)."""
 
     def __init__(self, model_path: str, optim: Optional[OptimizerConfig] = None, temperature: float = 1.0,
@@ -71,8 +118,6 @@ class ActorWorker(RoleWorker):
         self.micro_batch_size = micro_batch_size
         self.training = (training or TrainingSettings()).validate()  # precision, token budget, checkpointing
         self.dtype = dtype
-        self.role = None
-        self.update_count = 0  # optimizer steps taken (a colocated rollout checks it was synced)
         self.checkpoint_engine = None  # verl checkpoint engine (init_checkpoint_engine), for CheckpointEngineManager
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -186,42 +231,8 @@ class ActorWorker(RoleWorker):
         result = asyncio.run(self.checkpoint_engine.send_weights(iter(weights.items()), global_steps=global_steps))
         return {} if not isinstance(result, dict) or "ref" in result else result
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def state_dict(self) -> Optional[dict[str, Any]]:
-        """Rank 0: ``{"model", "optim", "update_count"}`` (full, world-size independent); others None."""
-        self._require_model()
-        model, optim = _checkpoint(self.role.engine)
-        return {"model": model, "optim": optim, "update_count": self.update_count} if self.rank == 0 else None
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_state_dict(self, state: dict[str, Any]) -> bool:
-        """Load a :meth:`state_dict` (saved at any world size); ``optim`` is optional."""
-        self._require_model()
-        self._free_colocated_rollout_cache()
-        self.role.engine.load_full_state_dict(state["model"])
-        if state.get("optim") is not None:
-            self.role.engine.load_optimizer_state_dict(state["optim"])
-        self.update_count = int(state.get("update_count", self.update_count)) + 1  # weights changed
-        return True
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_sharded(self, directory: str) -> dict[str, Any]:
-        """Every rank writes its shard of model + AdamW state under ``directory`` (one file system all
-        ranks see); nothing is gathered. Returns the engine's metadata (world size, optimizer state)."""
-        self._require_model()
-        return self.role.engine.save_sharded(directory)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_sharded(self, directory: str) -> dict[str, Any]:
-        """Load :meth:`save_sharded`'s shards, saved at this or another world size (DCP reshards)."""
-        self._require_model()
-        self._free_colocated_rollout_cache()
-        meta = self.role.engine.load_sharded(directory)
-        self.update_count += 1  # weights changed: a colocated rollout must sync again
-        return meta
-
-
-class CriticWorker(RoleWorker):
+class CriticWorker(TrainedRoleWorker):
     """The critic (policy backbone + value head, attention frozen) on one data-parallel rank."""
 
     def __init__(self, model_path: str, optim: Optional[OptimizerConfig] = None, freeze_attention: bool = True,
@@ -235,7 +246,6 @@ class CriticWorker(RoleWorker):
         self.micro_batch_size = micro_batch_size
         self.training = (training or TrainingSettings()).validate()  # precision, token budget, checkpointing
         self.dtype = dtype
-        self.role = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -281,28 +291,3 @@ class CriticWorker(RoleWorker):
                                    clip_eps=meta.get("clip_eps", 0.2), ranking=ranking)
         metrics = _reduce_metrics(metrics, self.role.engine.device, keep=("critic/grad_norm", "li2sao/rank_loss"))
         return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def state_dict(self) -> Optional[dict[str, Any]]:
-        self._require_model()
-        model, optim = _checkpoint(self.role.engine)
-        return {"model": model, "optim": optim} if self.rank == 0 else None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_state_dict(self, state: dict[str, Any]) -> bool:
-        self._require_model()
-        self.role.engine.load_full_state_dict(state["model"])
-        if state.get("optim") is not None:
-            self.role.engine.load_optimizer_state_dict(state["optim"])
-        return True
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_sharded(self, directory: str) -> dict[str, Any]:
-        """As :meth:`ActorWorker.save_sharded`: every rank writes its shard under ``directory``."""
-        self._require_model()
-        return self.role.engine.save_sharded(directory)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_sharded(self, directory: str) -> dict[str, Any]:
-        self._require_model()
-        return self.role.engine.load_sharded(directory)
