@@ -67,6 +67,8 @@ RESULT_SOURCES: dict[str, list[str]] = {
     "demo_summary.json": ["benchmarks/demo_summary.py", "conf", "src/async_rl/train.py", "src/async_rl/run_summary.py",
                           *_CLI, *_TRAINING],
     "demo_rollout_vllm.txt": ["benchmarks/demo_rollout_logs.py", "conf", *_CLI, *_ROLLOUT, *_TRAINING],
+    "smollm2_cpu.json": ["benchmarks/smollm2_cpu.py", "benchmarks/_common.py", "src/async_rl/models",
+                         "src/async_rl/rollout/base.py", "src/async_rl/rollout/hf_engine.py"],
     "rollout_engines.json": ["benchmarks/rollout_engines.py", "src/async_rl/rollout", "src/async_rl/models"],
     "sandbox_hardening.json": ["benchmarks/sandbox_hardening.py", "src/async_rl/sandbox"],
     "stability_map.json": ["benchmarks/stability_map.py", "src/async_rl/run_summary.py", *_TRAINING],
