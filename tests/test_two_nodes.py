@@ -28,26 +28,43 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 FAILURE_BOUND_S = 30.0
 
 
+def _pids(node) -> list[int]:
+    return [proc.process.pid for procs in node.all_processes.values() for proc in procs]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
+    """``(cluster, add_second_node)``: a head with the custom resource ``head_node``; ``add_second_node(cpus)``
+    starts a second raylet with ``second_node`` (each test its own: the tests kill it). Every process started is
+    checked gone at the end."""
     import ray
     from ray.cluster_utils import Cluster
 
     torch.set_num_threads(1)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"head_node": 2},
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head_node": 2},
                                                             "include_dashboard": False})
-    second = cluster.add_node(num_cpus=2, resources={"second_node": 2})
     ray.init(address=cluster.address, log_to_driver=False)
-    started = [proc.process.pid for node in (cluster.head_node, second)
-               for procs in node.all_processes.values() for proc in procs]
-    yield cluster, second
+    started = _pids(cluster.head_node)
+
+    def add_second_node(num_cpus: int):
+        node = cluster.add_node(num_cpus=num_cpus, resources={"second_node": 2})
+        started.extend(_pids(node))
+        return node
+
+    yield cluster, add_second_node
     ray.shutdown()
     cluster.shutdown()
     deadline = time.monotonic() + 30
-    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in started) \
-            and time.monotonic() < deadline:
+    while any(_running(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    left = [pid for pid in started if _running(pid)]
     assert not left, f"Ray processes the test started are still running: {left}"
 
 
@@ -64,7 +81,8 @@ def test_weights_reach_a_replica_on_another_node_and_losing_that_node_aborts_its
     from async_rl.models.loading import load_causal_lm
     from async_rl.rollout.client import ReplicaPool, launch_replicas
 
-    cluster, second = two_nodes
+    cluster, add_second_node = two_nodes
+    second = add_second_node(2)
     replicas = launch_replicas("hf", 2, str(tiny_model), chunk_tokens=2, name_prefix="two_nodes",
                                replica_resources=[{"head_node": 1}, {"second_node": 1}])
     nodes = [_node_of(r.servers[0]) for r in replicas]
@@ -117,9 +135,69 @@ def test_weights_reach_a_replica_on_another_node_and_losing_that_node_aborts_its
     [late] = pool.generate([GenerationRequest("d0", [5, 6, 7, 8], sampling)])
     assert late.token_ids == after[0].token_ids
     deadline = time.monotonic() + 30
-    while psutil.pid_exists(remote_pid) and psutil.Process(remote_pid).status() != psutil.STATUS_ZOMBIE and \
-            time.monotonic() < deadline:
+    while _running(remote_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not psutil.pid_exists(remote_pid) or psutil.Process(remote_pid).status() == psutil.STATUS_ZOMBIE, \
-        "the replica's worker process on the lost node outlived its raylet"
+    assert not _running(remote_pid), "the replica's worker process on the lost node outlived its raylet"
     pool.shutdown()
+
+
+def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_on_when_that_node_dies(
+        two_nodes, tiny_model, monkeypatch):
+    """GRPO, the actor as a Ray worker group on the head, one hf replica on the head and one on the second node
+    (which joins after the trainer is placed, so only the replica can land there). After step 2 (the second node's
+    replica holds a version >= 1: the weights reached it) the second node's raylet and workers are killed by pid.
+    The run finishes every step on the head's replica; the requests lost with the node are aborted and counted
+    (their episodes are dropped at release, never trained); the policy versions agree."""
+    import ray
+
+    import async_rl.envs.toy  # noqa: F401
+    import async_rl.rollout.client as client
+    from async_rl.config import AlgorithmConfig
+    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.driver.driver import DriverConfig
+    from async_rl.driver.episode import EpisodeLimits
+    from async_rl.envs.toy import make_toy_tasks
+    from async_rl.rollout.client import ReplicaSettings
+
+    cluster, add_second_node = two_nodes
+    real_launch, nodes = client.launch_replicas, {}
+
+    def launch_on_two_nodes(*args, **kwargs):  # the trainer is placed: the second node joins, for a replica only
+        nodes["second"] = add_second_node(1)
+        return real_launch(*args, replica_resources=[{"head_node": 1}, {"second_node": 1}], **kwargs)
+
+    monkeypatch.setattr(client, "launch_replicas", launch_on_two_nodes)
+    algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
+    spec = RunSpec(model_path=str(tiny_model), env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 64, 0),
+                   max_new_tokens=6, limits=EpisodeLimits(max_turns=2, max_response_tokens=40), workers="ray",
+                   train_workers=1, rollout=ReplicaSettings(replicas=2, cpus_per_replica=1, health_timeout_s=10.0))
+    seen = {}
+
+    def lose_the_second_node(metrics):
+        pool = driver.rollout.engine
+        if len(seen) == 0:
+            seen["step"] = 1
+        elif "killed_at" not in seen:
+            seen["version_there"] = ray.get(pool.replicas[1].servers[0].ping.remote())["version"]
+            seen["killed_at"] = time.monotonic()
+            cluster.remove_node(nodes["second"], allow_graceful=False)
+
+    driver = build_concurrent_driver(algo, DriverConfig(total_steps=5, chunk_tokens=4, max_inflight_trajectories=16),
+                                     spec, on_step=lose_the_second_node)
+    pool = driver.rollout.engine
+    try:
+        trainer_nodes = {ray.get(w.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id()))
+                         for w in driver.learner.actor.worker_groups.actor.workers}
+        assert trainer_nodes == {cluster.head_node.node_id}
+        assert [_node_of(r.servers[0]) for r in pool.replicas] == [cluster.head_node.node_id,
+                                                                    nodes["second"].node_id]
+        history = driver.run()
+    finally:
+        driver.learner.actor.worker_groups.shutdown()
+    assert seen["version_there"] >= 1  # trained weights had reached the second node before it was lost
+    assert len(history) == 5 and pool.alive == [True, False]
+    failure = pool.failures[0]
+    assert failure["replica"] == 1
+    assert failure["aborted_requests"] == pool.counters["replica_aborted"] == history[-1]["async/replica_aborted"]
+    assert pool.policy_version == driver.learner.policy_version == 5
+    assert history[-1]["rollout/replicas_alive"] == 1.0
