@@ -142,18 +142,20 @@ def test_weights_reach_a_replica_on_another_node_and_losing_that_node_aborts_its
 
 
 def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_on_when_that_node_dies(
-        two_nodes, tiny_model, monkeypatch):
+        two_nodes, tiny_model, monkeypatch, tmp_path):
     """GRPO, the actor as a Ray worker group on the head, one hf replica on the head and one on the second node
     (which joins after the trainer is placed, so only the replica can land there). After step 2 (the second node's
     replica holds a version >= 1: the weights reached it) the second node's raylet and workers are killed by pid.
     The run finishes every step on the head's replica; the requests lost with the node are aborted and counted
-    (their episodes are dropped at release, never trained); the policy versions agree."""
+    (their episodes are dropped at release, never trained); the policy versions agree; a checkpoint of every step
+    after the loss is written and reads back intact (checksum, load, the train rank's shards) at its step."""
     import ray
 
     import async_rl.envs.toy  # noqa: F401
     import async_rl.rollout.client as client
     from async_rl.config import AlgorithmConfig
     from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.driver.checkpoint import list_checkpoints, read_checkpoint
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
@@ -182,8 +184,9 @@ def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_o
             seen["killed_at"] = time.monotonic()
             cluster.remove_node(nodes["second"], allow_graceful=False)
 
-    driver = build_concurrent_driver(algo, DriverConfig(total_steps=5, chunk_tokens=4, max_inflight_trajectories=16),
-                                     spec, on_step=lose_the_second_node)
+    driver = build_concurrent_driver(algo, DriverConfig(total_steps=5, chunk_tokens=4, max_inflight_trajectories=16,
+                                                        checkpoint_every=1, keep_last=3),
+                                     spec, on_step=lose_the_second_node, checkpoint_dir=tmp_path / "ckpt")
     pool = driver.rollout.engine
     try:
         trainer_nodes = {ray.get(w.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id()))
@@ -201,3 +204,8 @@ def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_o
     assert failure["aborted_requests"] == pool.counters["replica_aborted"] == history[-1]["async/replica_aborted"]
     assert pool.policy_version == driver.learner.policy_version == 5
     assert history[-1]["rollout/replicas_alive"] == 1.0
+    kept = list_checkpoints(tmp_path / "ckpt")
+    assert [step for step, _ in kept] == [3, 4, 5]  # every step after the loss (keep_last 3)
+    for step, path in kept:
+        state, why = read_checkpoint(path)
+        assert why is None, f"checkpoint of step {step}: {why}"
