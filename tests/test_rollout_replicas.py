@@ -593,3 +593,16 @@ def test_an_engine_error_fails_its_request_as_an_engine_fault_never_resubmitted_
     episode = Episode(None, {"id": 0}, None, sampling, EpisodeLimits(), "bad", "g", 1, 0)
     assert episode.take_output(bad) is None and episode.finished
     assert episode.trajectory.aborted and episode.trajectory.abort_reason == "generation aborted"
+
+
+def test_replica_resources_are_checked_before_anything_starts():
+    """launch_replicas(replica_resources=...): one mapping per replica, positive amounts, standalone hf/vllm only;
+    refused in one line before Ray is asked for anything (tests/test_two_nodes.py pins replicas to nodes with it)."""
+    from async_rl.rollout.client import launch_replicas
+
+    with pytest.raises(ValueError, match=r"one mapping \(or None\) per replica \(2\)"):
+        launch_replicas("hf", 2, "/nonexistent", replica_resources=[{"node_a": 1}])
+    with pytest.raises(ValueError, match="every amount must be a number > 0"):
+        launch_replicas("hf", 1, "/nonexistent", replica_resources=[{"node_a": 0}])
+    with pytest.raises(ValueError, match="of standalone hf or vllm replicas"):
+        launch_replicas("sglang", 1, "/nonexistent", replica_resources=[{"node_a": 1}])

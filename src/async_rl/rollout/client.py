@@ -621,13 +621,16 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
                     name_prefix: str = "async_rl", mode: str = "standalone",
                     worker_group: Optional[Any] = None, checkpoint_backend: str = "ray_object_store",
                     checkpoint_bucket_megabytes: int = 2048, kv_on_update: str = "recompute",
-                    engine_options: Optional[dict] = None) -> list[Any]:
+                    engine_options: Optional[dict] = None,
+                    replica_resources: Optional[Sequence[Optional[Mapping[str, float]]]] = None) -> list[Any]:
     """Build ``num_replicas`` replicas of ``engine`` through verl's registry and start them.
 
     ``mode="standalone"``: each replica in its own process(es) (``init_standalone``). ``mode="hybrid"`` (hf only):
     replica ``r`` serves the rollout engine fused into train rank ``r`` of ``worker_group`` (verl's
     ``init_hybrid``; the fused group of ``make_worker_groups("colocated", ...)``), so ``num_replicas`` must equal
     its world size; ``device``/``dtype``/``num_cpus`` are then the train workers' own.
+    ``replica_resources[r]``: custom Ray resources replica ``r``'s server actor also reserves (hf and vllm,
+    standalone), e.g. ``{"rollout_node_1": 1}`` to pin it to the node that was started with that resource.
     """
     from verl.workers.config import HFModelConfig, RolloutConfig
 
@@ -635,6 +638,14 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
 
     if num_replicas < 1:
         raise ValueError(f"rollout.replicas must be >= 1, got {num_replicas}")
+    if replica_resources is not None:
+        if len(replica_resources) != num_replicas or engine not in OWN_SERVER_ENGINES or mode != "standalone":
+            raise ValueError(f"replica_resources: one mapping (or None) per replica ({num_replicas}) of standalone "
+                             f"hf or vllm replicas; got {len(replica_resources)} for {mode} {engine}")
+        for resources in replica_resources:
+            if resources and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+                                 for v in resources.values()):
+                raise ValueError(f"replica_resources={dict(resources)}: every amount must be a number > 0")
     if mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout.mode={mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
     if mode == "hybrid":
@@ -680,6 +691,9 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
                     for rank in range(num_replicas)]
     else:  # verl's own SGLangReplica, unchanged
         replicas = [cls(rank, config, model_config, gpus_per_node=1) for rank in range(num_replicas)]
+
+    for replica, resources in zip(replicas, replica_resources or ()):
+        replica.ray_resources = dict(resources or {})
 
     async def start_all() -> None:
         await asyncio.gather(*[replica.init_standalone() for replica in replicas])

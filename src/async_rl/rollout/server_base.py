@@ -75,6 +75,7 @@ class OwnProcessReplica(RolloutReplica):
     launched by :meth:`init_standalone` instead of verl's GPU bundles: the hf and vLLM replicas."""
 
     KIND = "rollout"  # the engine's name in actor names and errors
+    ray_resources: dict[str, float] = {}  # custom Ray resources the server also reserves (e.g. to pin it to a node)
 
     def _own_process_settings(self, device: str, num_cpus: float, initial_version: int, name_prefix: str,
                               start_timeout_s: float) -> None:
@@ -99,7 +100,7 @@ class OwnProcessReplica(RolloutReplica):
         server = ray.remote(server_cls).options(
             name=f"{self.name_prefix}_{self.KIND}_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
             max_concurrency=self.max_concurrency, num_cpus=self.num_cpus,
-            num_gpus=1 if self.device == "cuda" else 0,
+            num_gpus=1 if self.device == "cuda" else 0, resources=dict(self.ray_resources) or None,
         ).remote(*args, **kwargs)
         try:
             await asyncio.wait_for(getattr(server, ready_method).remote(), timeout=self.start_timeout_s)
@@ -107,7 +108,8 @@ class OwnProcessReplica(RolloutReplica):
             ray.kill(server, no_restart=True)
             raise RuntimeError(
                 f"{self.KIND} replica {self.replica_rank} did not start within {self.start_timeout_s:g} s (it needs "
-                f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}; Ray has "
+                f"{self.num_cpus:g} CPU{' and 1 GPU' if self.device == 'cuda' else ''}"
+                f"{f' and {self.ray_resources}' if self.ray_resources else ''}; Ray has "
                 f"{ray.available_resources()}); start Ray with more CPUs or lower rollout.cpus_per_replica") from None
         except BaseException:
             ray.kill(server, no_restart=True)

@@ -352,8 +352,9 @@ class VLLMRolloutServer(ServerBookkeeping):
 
     def _output(self, state: _Request) -> GenerationOutput:
         # stop strings by our rule (the shortest prefix whose decoded text holds one): vLLM matches them on its
-        # incremental detokenization and may report the hit a token later
-        found = first_stop_string(state.token_ids, self.tokenizer, state.request.sampling.stop_strings)
+        # incremental detokenization and may report the hit a token later. An engine fault stays one.
+        found = None if state.stop_detail == ENGINE_ERROR else \
+            first_stop_string(state.token_ids, self.tokenizer, state.request.sampling.stop_strings)
         if found is not None:
             cut, state.stop_detail = found
             state.token_ids, state.logprobs, state.versions = (state.token_ids[:cut], state.logprobs[:cut],
