@@ -379,6 +379,7 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
 
 def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     # ---- validate everything before any model or worker starts ---------------------------------------
+    run_started = time.perf_counter()
     checked = checked or check_run_config(cfg)
     algo, driver_cfg, device = checked.algo, checked.driver_cfg, checked.device
     if device == "cpu" and cfg.trainer.torch_threads:
@@ -397,7 +398,9 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     tasks = make_tasks(cfg.env, cfg.seed)  # data files are read (and fail) before the model is built
     check_env_at_start(cfg.env)  # e.g. a WebShop server that does not answer: one line now, not 256 aborts later
     vllm_cpu = cfg.get("rollout") is not None and cfg.rollout.get("engine") == "vllm" and device == "cpu"
+    warm_started = time.perf_counter()
     model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks, for_vllm_cpu=vllm_cpu)
+    warm_start_s = time.perf_counter() - warm_started  # building the tiny model and its SFT warm start (0: cached)
     spec = RunSpec(
         model_path=model_path, env_name=cfg.env.name, env_kwargs=env_kwargs(cfg.env),
         tasks=tasks, seed=cfg.seed,
@@ -467,6 +470,7 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         from async_rl.driver.core import RunStopped
 
         previous = _install_signal_handlers(stop_at_next_cut)
+        training_started = time.perf_counter()
         try:
             history = driver.run()
         except RunStopped as stopped:
@@ -475,11 +479,20 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        training_s = time.perf_counter() - training_started
         bar.close()
         summary = summarize(history, driver, cfg.env.name)
-        summary["total_wall_s"] = time.perf_counter() - started
+        summary["total_wall_s"] = time.perf_counter() - started  # from building the driver; time_s has the rest
+        export_started = time.perf_counter()
         if cfg.trainer.get("export_model", True):  # outputs/<run>/model + outputs/last_run.json (make eval)
             summary["model_dir"] = str(export_trained_policy(cfg, algo, driver, model_path, run_dir, len(history)))
+        # where this process's time went, in seconds: checks and task loading; the tiny model's build and SFT warm
+        # start (0 when cached); building actor, critic and rollout; training (checkpoints included: checkpoint_s);
+        # the final export; all of it (evaluation is its own command: its pass_at_k.json has wall_s)
+        summary["time_s"] = {"setup": round(warm_started - run_started, 2), "warm_start": round(warm_start_s, 2),
+                             "build": round(training_started - started, 2), "training": round(training_s, 2),
+                             "export": round(time.perf_counter() - export_started, 2),
+                             "total": round(time.perf_counter() - run_started, 2)}
         logger.log_summary(summary)
         if driver.stats.switch_step is not None:  # where Li2SAO left the group bootstrap, as a wandb Table
             gate = driver.learner.gate
