@@ -550,20 +550,27 @@ def _config_error(err: BaseException) -> None:
 
 @hydra.main(config_path=REPO_CONF, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
+    from async_rl.run_log import append_line, run_log
+
     try:
         checked = check_run_config(cfg)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
+        append_line(f"error: {err}")
         _config_error(err)
     from async_rl.driver.checkpoint import CheckpointError
 
     try:
-        run(cfg, checked)
+        with run_log():  # train.log: stdout's lines, every warning, module logger names (async_rl.run_log)
+            run(cfg, checked)
     except ConfigError as err:  # found while starting up (an env's server or sandbox), before any model loaded
+        append_line(f"error: {err}")
         _config_error(err)
     except CheckpointError as err:
+        append_line(f"error: {err}")
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     except Interrupted as stop:
+        append_line(stop.line(_CLI_ARGV))
         _report_interrupted(stop)
     except KeyboardInterrupt:  # a SIGINT before our handler was installed
         _report_interrupted(Interrupted(signal.SIGINT))
