@@ -141,3 +141,20 @@ def test_train_log_gets_stdout_warnings_and_module_logger_names(tmp_path):
     assert "[stdout] step 3/10 acc 0.50" in text and "not copied" not in text
     assert "[verl.utils.device] no accelerator" in text
     assert "[py.warnings]" in text and "a deprecation" in text
+
+
+def test_ray_address_joins_a_cluster_instead_of_starting_one(monkeypatch):
+    """Issue 38, item 8: with RAY_ADDRESS set, ensure_ray joins that cluster (no num_cpus: Ray refuses it there)."""
+    import ray
+
+    from async_rl.workers import placement
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6380")
+    placement.ensure_ray(num_cpus=8, log_to_driver=False)
+    monkeypatch.delenv("RAY_ADDRESS")
+    placement.ensure_ray(num_cpus=8, log_to_driver=False)
+    assert calls == [{"address": "10.0.0.5:6380", "log_to_driver": False},
+                     {"num_cpus": 8, "log_to_driver": False, "include_dashboard": False}]

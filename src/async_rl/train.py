@@ -107,21 +107,37 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
     return str(warm)
 
 
+def import_env_module(env_cfg: DictConfig) -> None:
+    """Register the built-in envs, and ``env.module`` (an env defined outside this package: importing it
+    registers its env and facts, docs/own_env.md) when the config names one."""
+    import importlib
+
+    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
+
+    module = env_cfg.get("module")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"env.module={module}: cannot import it ({first_line(err)}); is its folder on "
+                              "PYTHONPATH (or the package installed)?") from None
+
+
 def make_tasks(env_cfg: DictConfig, seed: int) -> list[dict[str, Any]]:
     """Task records of the prompt stream for ``env_cfg.name`` (the code that loads real data runs here too)."""
-    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
     from async_rl.envs.facts import env_facts
 
+    import_env_module(env_cfg)
     return env_facts(env_cfg.name).make_tasks(env_cfg, seed)
 
 
 def check_env_at_start(env_cfg: DictConfig) -> None:
     """The env's own start-up check (``EnvFacts.check_at_start``: WebShop's server health, ReTool's sandbox) on a
     probe env, before any model loads; a failure raises :class:`ConfigError` with the env's one-line fix."""
-    import async_rl.envs  # noqa: F401
     from async_rl.envs import make_env
     from async_rl.envs.facts import env_facts
 
+    import_env_module(env_cfg)
     facts = env_facts(env_cfg.name)
     if facts.check_at_start is None:
         return
@@ -139,8 +155,9 @@ def check_env_at_start(env_cfg: DictConfig) -> None:
 
 def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
     """Constructor arguments of the env from its config group."""
-    import async_rl.envs  # noqa: F401
     from async_rl.envs.facts import env_facts
+
+    import_env_module(env_cfg)
 
     return dict(env_facts(env_cfg.name).env_kwargs(env_cfg))
 
