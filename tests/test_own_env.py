@@ -70,8 +70,17 @@ def test_the_yaml_reaches_the_outside_env(tmp_path, monkeypatch):
     from async_rl.envs import make_env
     from async_rl.train import env_kwargs, make_tasks
 
+    import async_rl.envs.base as base
+    import async_rl.envs.facts as facts
+
     _write_user_files(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    # "parity" is registered into copies of the registries, and its module forgotten, once this test ends: other
+    # tests see exactly the built-in envs
+    monkeypatch.setattr(base, "_ENV_REGISTRY", dict(base._ENV_REGISTRY))
+    monkeypatch.setattr(facts, "_FACTS", dict(facts._FACTS))
+    for name in ("my_envs", "my_envs.parity"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     cfg = compose_command_line(["--config-dir", str(tmp_path / "my_conf"), "env=parity", "env.reward_right=0.5"])
     tasks = make_tasks(cfg.env, seed=3)  # imports env.module, which registers "parity"
     assert len(tasks) == 256 and tasks == make_tasks(cfg.env, seed=3)
@@ -80,3 +89,5 @@ def test_the_yaml_reaches_the_outside_env(tmp_path, monkeypatch):
     right = "even" if tasks[0]["number"] % 2 == 0 else "odd"
     result = env.step(f" {right}.")
     assert result.reward == 0.5 and result.done and result.info["success"]
+    for name in ("my_envs", "my_envs.parity"):
+        sys.modules.pop(name, None)
