@@ -104,3 +104,57 @@ def test_admissible_actions_is_a_list_property_in_every_agent_env():
     actions = env.admissible_actions
     assert isinstance(actions, list) and actions == ["search[<your query>]"]
     env.close()
+
+
+def test_train_log_gets_stdout_warnings_and_module_logger_names(tmp_path):
+    """Issue 38, item 5: under a root file handler (Hydra's train.log), printed lines and Python warnings land in
+    the file, and path-shaped logger names (verl's getLogger(__file__)) become module names."""
+    import logging
+    import warnings
+
+    from async_rl.run_log import module_name_of, run_log
+
+    assert module_name_of("/x/.venv/lib/python3.11/site-packages/verl/workers/actor/dp_actor.py") == \
+        "verl.workers.actor.dp_actor"
+    assert module_name_of("/repo/src/async_rl/envs/__init__.py") == "async_rl.envs"
+    assert module_name_of("async_rl.train") == "async_rl.train"
+    root = logging.getLogger()
+    handler = logging.FileHandler(tmp_path / "train.log")
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(), run_log() as path:  # catch_warnings: pytest's own recorder set aside
+            warnings.simplefilter("always")
+            assert path == tmp_path / "train.log"
+            print("step 3/10 acc 0.50", flush=True)
+            logging.getLogger("/x/site-packages/verl/utils/device.py").warning("no accelerator")
+            warnings.warn("a deprecation", UserWarning)
+        print("after the run: not copied")
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(old_level)
+        logging.captureWarnings(False)
+    text = (tmp_path / "train.log").read_text()
+    assert "[stdout] step 3/10 acc 0.50" in text and "not copied" not in text
+    assert "[verl.utils.device] no accelerator" in text
+    assert "[py.warnings]" in text and "a deprecation" in text
+
+
+def test_ray_address_joins_a_cluster_instead_of_starting_one(monkeypatch):
+    """Issue 38, item 8: with RAY_ADDRESS set, ensure_ray joins that cluster (no num_cpus: Ray refuses it there)."""
+    import ray
+
+    from async_rl.workers import placement
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6380")
+    placement.ensure_ray(num_cpus=8, log_to_driver=False)
+    monkeypatch.delenv("RAY_ADDRESS")
+    placement.ensure_ray(num_cpus=8, log_to_driver=False)
+    assert calls == [{"address": "10.0.0.5:6380", "log_to_driver": False},
+                     {"num_cpus": 8, "log_to_driver": False, "include_dashboard": False}]

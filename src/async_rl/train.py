@@ -119,21 +119,37 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
     return str(warm)
 
 
+def import_env_module(env_cfg: DictConfig) -> None:
+    """Register the built-in envs, and ``env.module`` (an env defined outside this package: importing it
+    registers its env and facts, docs/own_env.md) when the config names one."""
+    import importlib
+
+    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
+
+    module = env_cfg.get("module")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"env.module={module}: cannot import it ({first_line(err)}); is its folder on "
+                              "PYTHONPATH (or the package installed)?") from None
+
+
 def make_tasks(env_cfg: DictConfig, seed: int) -> list[dict[str, Any]]:
     """Task records of the prompt stream for ``env_cfg.name`` (the code that loads real data runs here too)."""
-    import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
     from async_rl.envs.facts import env_facts
 
+    import_env_module(env_cfg)
     return env_facts(env_cfg.name).make_tasks(env_cfg, seed)
 
 
 def check_env_at_start(env_cfg: DictConfig) -> None:
     """The env's own start-up check (``EnvFacts.check_at_start``: WebShop's server health, ReTool's sandbox) on a
     probe env, before any model loads; a failure raises :class:`ConfigError` with the env's one-line fix."""
-    import async_rl.envs  # noqa: F401
     from async_rl.envs import make_env
     from async_rl.envs.facts import env_facts
 
+    import_env_module(env_cfg)
     facts = env_facts(env_cfg.name)
     if facts.check_at_start is None:
         return
@@ -151,8 +167,9 @@ def check_env_at_start(env_cfg: DictConfig) -> None:
 
 def env_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
     """Constructor arguments of the env from its config group."""
-    import async_rl.envs  # noqa: F401
     from async_rl.envs.facts import env_facts
+
+    import_env_module(env_cfg)
 
     return dict(env_facts(env_cfg.name).env_kwargs(env_cfg))
 
@@ -400,6 +417,7 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
 
 def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     # ---- validate everything before any model or worker starts ---------------------------------------
+    run_started = time.perf_counter()
     checked = checked or check_run_config(cfg)
     algo, driver_cfg, device = checked.algo, checked.driver_cfg, checked.device
     if device == "cpu" and cfg.trainer.torch_threads:
@@ -418,7 +436,9 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     tasks = make_tasks(cfg.env, cfg.seed)  # data files are read (and fail) before the model is built
     check_env_at_start(cfg.env)  # e.g. a WebShop server that does not answer: one line now, not 256 aborts later
     vllm_cpu = cfg.get("rollout") is not None and cfg.rollout.get("engine") == "vllm" and device == "cpu"
+    warm_started = time.perf_counter()
     model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks, for_vllm_cpu=vllm_cpu)
+    warm_start_s = time.perf_counter() - warm_started  # building the tiny model and its SFT warm start (0: cached)
     spec = RunSpec(
         model_path=model_path, env_name=cfg.env.name, env_kwargs=env_kwargs(cfg.env),
         tasks=tasks, seed=cfg.seed,
@@ -488,6 +508,7 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         from async_rl.driver.core import RunStopped
 
         previous = _install_signal_handlers(stop_at_next_cut)
+        training_started = time.perf_counter()
         try:
             history = driver.run()
         except RunStopped as stopped:
@@ -496,11 +517,20 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        training_s = time.perf_counter() - training_started
         bar.close()
         summary = summarize(history, driver, cfg.env.name)
-        summary["total_wall_s"] = time.perf_counter() - started
+        summary["total_wall_s"] = time.perf_counter() - started  # from building the driver; time_s has the rest
+        export_started = time.perf_counter()
         if cfg.trainer.get("export_model", True):  # outputs/<run>/model + outputs/last_run.json (make eval)
             summary["model_dir"] = str(export_trained_policy(cfg, algo, driver, model_path, run_dir, len(history)))
+        # where this process's time went, in seconds: checks and task loading; the tiny model's build and SFT warm
+        # start (0 when cached); building actor, critic and rollout; training (checkpoints included: checkpoint_s);
+        # the final export; all of it (evaluation is its own command: its pass_at_k.json has wall_s)
+        summary["time_s"] = {"setup": round(warm_started - run_started, 2), "warm_start": round(warm_start_s, 2),
+                             "build": round(training_started - started, 2), "training": round(training_s, 2),
+                             "export": round(time.perf_counter() - export_started, 2),
+                             "total": round(time.perf_counter() - run_started, 2)}
         logger.log_summary(summary)
         if driver.stats.switch_step is not None:  # where Li2SAO left the group bootstrap, as a wandb Table
             gate = driver.learner.gate
@@ -558,23 +588,30 @@ def _config_error(err: BaseException) -> None:
 
 @hydra.main(config_path=REPO_CONF, config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
+    from async_rl.run_log import append_line, run_log
+
     try:
         checked = check_run_config(cfg)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
+        append_line(f"error: {err}")
         _config_error(err)
     from async_rl.driver.checkpoint import CheckpointError
     from async_rl.models.packaged import PackagedModelError
 
     try:
-        run(cfg, checked)
+        with run_log():  # train.log: stdout's lines, every warning, module logger names (async_rl.run_log)
+            run(cfg, checked)
     except (ConfigError, PackagedModelError) as err:
         # found while starting up (an env's server or sandbox, a failed conversion of model.packaged), before any
         # model loaded
+        append_line(f"error: {err}")
         _config_error(err)
     except CheckpointError as err:
+        append_line(f"error: {err}")
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     except Interrupted as stop:
+        append_line(stop.line(_CLI_ARGV))
         _report_interrupted(stop)
     except KeyboardInterrupt:  # a SIGINT before our handler was installed
         _report_interrupted(Interrupted(signal.SIGINT))

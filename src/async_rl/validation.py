@@ -451,20 +451,33 @@ MODEL_RULES: dict[str, Rule] = {
 SEED_RULE = Rule("int", f"[0, {2 ** 32 - 1}]")
 
 
+#: ``env.module``: an importable module outside this package that registers the env named ``env.name`` (and its
+#: facts) when imported; the run imports it before it makes tasks or envs (docs/own_env.md)
+ENV_MODULE_RULE = Rule("str", optional=True, non_empty=True)
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
 def check_env(env: Mapping[str, Any]) -> dict[str, Any]:
-    """Checked copy of the ``env`` group: common keys, then the keys of ``env.name``'s group."""
-    env = check_mapping("env", env, {"name": _COMMON_ENV_RULES["name"]})
+    """Checked copy of the ``env`` group: common keys, then the keys of ``env.name``'s group. An env of an outside
+    module (``env.module``) may have any name; its own keys are its module's to check."""
+    env = check_mapping("env", env, {"module": ENV_MODULE_RULE})
+    module = env.get("module")
+    if module is not None and not _MODULE_NAME.match(module):
+        raise ConfigError(f"env.module={module!r}: must be an importable module name such as my_pkg.my_env")
+    name_rule = Rule("str", non_empty=True) if module else _COMMON_ENV_RULES["name"]
+    env = check_mapping("env", env, {"name": name_rule})
     if "name" not in env:
         raise ConfigError(f"env.name is missing: choose env=<{'|'.join(TASK_ENVS)}>")
-    env = check_mapping("env", env, _COMMON_ENV_RULES)
-    env = check_mapping("env", env, ENV_RULES[env["name"]])
+    env = check_mapping("env", env, {**_COMMON_ENV_RULES, "name": name_rule})
+    own_rules = ENV_RULES.get(env["name"], {})
+    env = check_mapping("env", env, own_rules)
     # a key added to an env group without a rule here is still held to what its name promises
-    known = set(_COMMON_ENV_RULES) | set(ENV_RULES[env["name"]])
+    known = set(_COMMON_ENV_RULES) | set(own_rules) | {"module"}
     env = check_mapping("env", env, {key: Rule("float", "> 0") for key in env
                                      if key not in known and key.endswith("_timeout_s")})
     for key in ("max_turns", "max_new_tokens", "max_response_tokens", "env_timeout_s"):
         if key not in env:
-            raise ConfigError(f"env.{key} is missing: set it in conf/env/{env['name']}.yaml or as env.{key}=...")
+            raise ConfigError(f"env.{key} is missing: set it in the env's YAML (env/{env['name']}.yaml)")
     # checks of keys only some groups have (retool's code_timeout_s, webshop's goal_range)
     if env.get("code_timeout_s") is not None and env["env_timeout_s"] <= env["code_timeout_s"]:
         raise ConfigError(f"env.env_timeout_s={env['env_timeout_s']}: must exceed env.code_timeout_s="

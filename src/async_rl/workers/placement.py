@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import uuid
 from typing import Any, Optional
 
@@ -34,11 +35,19 @@ ACTOR_WORKERS = {"actor": ActorWorker, "sapo": SapoWorker}
 
 
 def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs) -> None:
-    """Start a local Ray instance if none is running, with an explicit logical CPU count and no
-    dashboard (``num_cpus`` may exceed the physical cores)."""
-    if not ray.is_initialized():
-        init_kwargs.setdefault("include_dashboard", False)
-        ray.init(num_cpus=num_cpus, **init_kwargs)
+    """Connect to Ray if this process is not yet: to the cluster ``RAY_ADDRESS`` names when it is set (its
+    nodes bring their own CPUs and GPUs, so ``num_cpus`` is not passed: Ray refuses it when joining), else to
+    a new local instance with an explicit logical CPU count and no dashboard (``num_cpus`` may exceed the
+    physical cores). docs/architecture.md, "Running on a Ray cluster"."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        init_kwargs.pop("include_dashboard", None)
+        ray.init(address=address, **init_kwargs)
+        return
+    init_kwargs.setdefault("include_dashboard", False)
+    ray.init(num_cpus=num_cpus, **init_kwargs)
 
 
 def _check_resources(n_processes: int, use_gpu: bool, cpus_per_bundle: float) -> None:
