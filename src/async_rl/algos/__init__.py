@@ -1,7 +1,7 @@
-"""Pure tensor functions for every equation of the spec (``../shared/spec/ALGORITHMS.md``).
+"""Pure tensor functions for every equation of the spec (stated in docs/algorithms.md; "spec §N" in docstrings).
 
-No Ray, model, vLLM or Hydra imports here: workers and the driver call these, verl calls them through the
-thin registered wrappers in :mod:`async_rl.verl_plugin`, tests call them directly.
+No Ray, model, vLLM or Hydra imports here: workers and the driver call these, each algorithm's estimator is
+registered in verl's registry by :mod:`async_rl.verl_plugin` and called through it, tests call them directly.
 """
 
 from async_rl.algos.dis import dis_mask, dis_policy_loss
