@@ -91,3 +91,33 @@ def test_a_new_algorithm_is_one_module_and_one_yaml(tmp_path, monkeypatch, tiny_
         torch.testing.assert_close(per_response, scores - scores.mean())
     for row in history:
         assert all(v == v for k, v in row.items() if k.startswith("actor/") and isinstance(v, float))  # no NaN
+
+
+def test_a_new_algorithm_trains_through_the_cli(tmp_path):
+    """The same two files used as a user would: ``algorithm.module`` imports the module before the name is looked
+    up, ``hydra.searchpath`` adds the YAML's folder; the run trains and logs the algorithm's name."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "reinforce_algo.py").write_text(textwrap.dedent(MODULE))
+    (tmp_path / "algo_conf" / "algorithm").mkdir(parents=True)
+    (tmp_path / "algo_conf" / "algorithm" / "reinforce.yaml").write_text(YAML)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo / "src")]), "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "offline"}
+    args = [sys.executable, "-m", "async_rl.train", "algorithm=reinforce", "algorithm.module=reinforce_algo",
+            f"hydra.searchpath=[file://{tmp_path / 'algo_conf'}]", "model.sft.enabled=false", "model.hidden_size=32",
+            "model.num_layers=1", f"model.dir={tmp_path}/model", "trainer.driver.total_steps=2", "trainer.wandb=false",
+            "trainer.run_name=reinforce", "algorithm.overlong_penalty=false"]
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "reinforce"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["actor/updated"] == 1.0 for r in rows)
+    assert json.loads((run_dir / "config.json").read_text())["algorithm"]["name"] == "reinforce"
+
+    # without the module the name is unknown, and the one line says how to add it
+    bad = subprocess.run(args[:4] + args[5:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "algorithm.module" in bad.stderr.strip().splitlines()[-1]

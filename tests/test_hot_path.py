@@ -93,9 +93,24 @@ def test_the_observation_frame_comes_from_the_models_chat_template(tmp_path_fact
     assert formatter.frame.observation_text("The key is 7.", False) == "<|eot_id|>" + user_turn + reopen
     assert formatter.observation_ids("The key is 7.", True) == tok(user_turn + reopen, add_special_tokens=False)["input_ids"]
 
-    tok.chat_template = "{{ messages | length }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"
-    with pytest.raises(ValueError, match="renders an earlier turn differently"):
+    # Qwen3-style: the last assistant turn keeps a <think> block that earlier ones drop; the close is the same
+    tok.chat_template = (
+        "{%- set ns = namespace(last_query=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+        "{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}"
+        "{%- if m['role'] == 'assistant' and loop.index0 > ns.last_query %}"
+        "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+    qwen3 = ChatFrame.from_tokenizer(tok)
+    assert qwen3.end_token == "<|im_end|>"
+    assert qwen3.observation_text("obs", True) == "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n"
+
+    # a template that ends a turn one way when it is last and another when a user turn follows cannot be appended to
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}<END>{% else %}<SEP>{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="closes an assistant turn differently"):
         ChatFrame.from_tokenizer(tok)
+    with pytest.raises(ValueError, match="closes an assistant turn differently"):
+        ChatFormatter(tok).observation_ids("obs", True)  # the formatter raises where the frame is needed
 
 
 def test_cached_token_lists_are_fresh_copies(tokenizer):

@@ -148,7 +148,7 @@ def test_the_driver_imports_no_model_worker_or_engine_code():
 
 
 def test_every_trainer_role_meets_the_learners_protocols():
-    from async_rl.driver.roles import PolicyRole, SharedBackboneRole, ValueRole
+    from async_rl.driver.roles import ROLE_ATTRIBUTES, PolicyRole, SharedBackboneRole, ValueRole
     from async_rl.workers.remote import RemoteActor, RemoteCritic, RemoteSapo
     from async_rl.workers.roles import ActorRole, CriticRole
     from async_rl.workers.sapo import SapoRole
@@ -160,3 +160,5 @@ def test_every_trainer_role_meets_the_learners_protocols():
     for cls in (SapoRole, RemoteSapo):
         assert issubclass(cls, SharedBackboneRole), cls
     assert not issubclass(CriticRole, PolicyRole)  # the check is not vacuous
+    for cls in (ActorRole, RemoteActor, CriticRole, RemoteCritic, SapoRole, RemoteSapo):
+        assert all(hasattr(cls, name) for name in ROLE_ATTRIBUTES), cls

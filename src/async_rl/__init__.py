@@ -1,6 +1,6 @@
 """async_rl: asynchronous single-rollout actor-critic RL for LLM post-training, on verl.
 
-Importing the package registers our advantage estimators (``sao_gae``, ``li2sao_group``, ``sapo_turn``)
+Importing the package registers our advantage estimators (``grpo_group``, ``sao_gae``, ``li2sao_group``, ``sapo_turn``)
 and policy losses (``ppo_clip``, ``dis``, ``dis_clip``, ``sapo_ar``) in verl's registries; verl also loads them itself through the
 ``verl.plugins`` entry point.
 

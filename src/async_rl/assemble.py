@@ -13,8 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from async_rl.config import plan_for
-from async_rl.config import AlgorithmConfig
+from async_rl.config import AlgorithmConfig, plan_for
 from async_rl.driver.driver import DeterministicDriver, DriverConfig
 from async_rl.driver.episode import ChatFormatter, EpisodeLimits
 from async_rl.driver.learner import Learner
@@ -28,6 +27,7 @@ from async_rl.rollout.base import SamplingParams
 from async_rl.rollout.client import ReplicaSettings
 from async_rl.rollout.hf_engine import HFRolloutEngine
 from async_rl.rollout.weight_sync import choose_weight_sync, weights_to_publish
+from async_rl.validation import ConfigError
 from async_rl.workers.roles import ActorRole, CriticRole
 
 
@@ -111,6 +111,11 @@ def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Lea
     if spec.limits.overlong_penalty is None:  # the algorithm's setting is the default (AlgorithmConfig)
         spec.limits = dataclasses.replace(spec.limits, overlong_penalty=algo.overlong_penalty)
     formatter = ChatFormatter(tokenizer)
+    if spec.limits.max_turns > 1:  # a template that cannot frame observations stops the run here, in one line
+        try:
+            formatter.frame  # noqa: B018
+        except ValueError as exc:
+            raise ConfigError(f"model {spec.model_path}: {exc}") from None
     end_id = formatter.end_token_id
     sampling = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=spec.max_new_tokens,
                               stop_token_ids=(end_id,) if end_id is not None else (), banned_token_ids=banned,

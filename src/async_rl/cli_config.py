@@ -39,8 +39,9 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     return get_args_parser().parse_args(argv)
 
 
-def _loader(config_dir: Optional[str]):
-    """Hydra's config loader over the search path ``hydra.main`` builds: ``conf/`` (+ ``--config-dir`` first)."""
+def _loader(config_dir: Optional[str], extra_paths: Iterable[str] = ()):
+    """Hydra's config loader over the search path ``hydra.main`` builds: ``conf/`` (+ ``--config-dir`` first), then
+    the ``hydra.searchpath`` entries of the command line (a directory of your own algorithm or env YAMLs)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
@@ -51,6 +52,11 @@ def _loader(config_dir: Optional[str]):
         if not os.path.isdir(folder):
             raise ConfigError(f"--config-dir {config_dir}: no such directory")
         search_path.prepend(provider="command-line", path=f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
+    for path in extra_paths:  # before the schema entry, which Hydra expects last
+        if path.startswith("file://") and not os.path.isdir(path[len("file://"):]):
+            raise ConfigError(f"hydra.searchpath: {path}: no such directory")
+        search_path.prepend(provider="hydra.searchpath in command-line", path=path,
+                            anchor=SearchPathQuery(provider="schema"))
     return ConfigLoaderImpl(config_search_path=search_path)
 
 
@@ -134,19 +140,22 @@ def compose_command_line(argv: list[str]) -> Optional[DictConfig]:
     args = parse_command_line(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
         return None
-    loader = _loader(args.config_dir)
-    config_name = args.config_name or "config"
-    primaries = _visible(loader.get_group_options(""))
-    if config_name not in primaries and not loader.repository.config_exists(config_name):
-        raise ConfigError(f"--config-name {config_name}: no such config; valid choices: {', '.join(primaries)}"
-                          f"{_hint(config_name, primaries)}" + ("" if args.config_dir else
-                                                              " (recipes: add --config-dir recipes)"))
     try:
         overrides = OverridesParser.create().parse_overrides(args.overrides)
     except Exception as err:  # hydra's OverrideParseException: the override's text and where it failed
         raise ConfigError(f"cannot read the command line: {first_line(err)}") from err
-    groups = [g for g in loader.list_groups("") if g != "hydra"]
-    options = {g: _visible(loader.get_group_options(g)) for g in groups}
+    extra_paths = [str(p) for o in overrides if o.key_or_group == "hydra.searchpath"
+                   for p in (o.value() if isinstance(o.value(), list) else [o.value()])]
+    # composing: Hydra adds hydra.searchpath itself; listing group options (the check below) needs it added here
+    loader, options_loader = _loader(args.config_dir), _loader(args.config_dir, extra_paths)
+    config_name = args.config_name or "config"
+    primaries = _visible(options_loader.get_group_options(""))
+    if config_name not in primaries and not loader.repository.config_exists(config_name):
+        raise ConfigError(f"--config-name {config_name}: no such config; valid choices: {', '.join(primaries)}"
+                          f"{_hint(config_name, primaries)}" + ("" if args.config_dir else
+                                                              " (recipes: add --config-dir recipes)"))
+    groups = [g for g in options_loader.list_groups("") if g != "hydra"]
+    options = {g: _visible(options_loader.get_group_options(g)) for g in groups}
 
     # 1. group choices (algorithm=lisoa): the name must be one of the group's files
     group_overrides, key_overrides = [], []

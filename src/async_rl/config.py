@@ -62,7 +62,8 @@ def register_plan(name: str, plan: AlgorithmPlan) -> None:
 def plan_for(name: str) -> AlgorithmPlan:
     """The plan of ``algorithm.name``; an unknown name lists the valid ones."""
     if name not in ALGORITHM_PLANS:
-        raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(ALGORITHM_PLANS)}")
+        raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(ALGORITHM_PLANS)} (an algorithm of "
+                         "your own: algorithm.module=<a module that registers it>, docs/algorithms.md)")
     return ALGORITHM_PLANS[name]
 
 
@@ -123,6 +124,7 @@ class GateConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # a registered algorithm (ALGORITHM_PLANS): grpo, lisao, li2sao, ppo, sapo
+    module: Optional[str] = None  # a module of yours, imported before the name is looked up: registers its algorithm
     train_batch_trajectories: int = 128  # B, trajectories per optimizer batch (spec §1)
     group_size: int = 8  # n, responses per prompt (GRPO 8, LiSAO 1, Li2SAO bootstrap n_b = 8)
     gamma: float = 1.0  # γ of GAE (spec §3) and of the Li2SAO bootstrap return Ĝ (spec §4); GRPO reads none

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from async_rl.config import ALGORITHM_PLANS
+
 # envs whose episodes are meant to have several model turns
 MULTI_TURN_ENVS = ("toy_keys", "retool", "alfworld", "webshop")
-CRITIC_ALGORITHMS = ("lisao", "li2sao", "ppo")
 
 
 def _values(history: list[dict], key: str) -> list[float]:
@@ -66,13 +67,14 @@ def phase_report(history: list[dict], algorithm: str, env_name: str,
     if env_name == "retool":
         calls = _values(history, "train/tool_calls")
         phases["tool_calls"] = {"ran": sum(calls) > 0, "count": int(sum(calls))}
-    if algorithm in CRITIC_ALGORITHMS:
+    plan = ALGORITHM_PLANS.get(algorithm)  # what the algorithm is made of (a run of an unknown one: no such phases)
+    if plan is not None and plan.trains_critic:
         losses = _values(history, "critic/value_loss")
         phases["critic_updates"] = {"ran": bool(losses), "steps": len(losses)}
-    if algorithm == "li2sao":
+    if plan is not None and plan.gated:
         phases["li2sao_switch"] = {"ran": switch_step is not None, "step": switch_step,
                                    "gate_opened_on_evidence": None if switch_step is None else not switch_forced}
-    if algorithm == "sapo":
+    if plan is not None and plan.shared_backbone:
         v, q = _values(history, "sapo/v_loss"), _values(history, "sapo/q_loss")
         phases["sapo_value_losses"] = {"ran": bool(v) and bool(q), "steps": min(len(v), len(q))}
 

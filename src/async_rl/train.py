@@ -11,6 +11,7 @@ metrics.jsonl, plots and an offline wandb run, all under ``outputs/<run_name>/``
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -18,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -133,6 +134,24 @@ def import_env_module(env_cfg: DictConfig) -> None:
         except ImportError as err:
             raise ConfigError(f"env.module={module}: cannot import it ({first_line(err)}); is its folder on "
                               "PYTHONPATH (or the package installed)?") from None
+
+
+def import_algorithm_module(module: Optional[str]) -> None:
+    """``algorithm.module``: an algorithm defined outside this package. Importing it registers its estimator in
+    verl's registry and its plan (``config.register_plan``; docs/algorithms.md, "Adding an algorithm"). It is also
+    put in ``VERL_USE_EXTERNAL_MODULES``, so every process that imports verl (Ray workers too) imports it."""
+    import importlib
+
+    if not module:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise ConfigError(f"algorithm.module={module}: cannot import it ({first_line(err)}); is its folder on "
+                          "PYTHONPATH (or the package installed)?") from None
+    loaded = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    if module not in loaded:
+        os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join([*loaded, module])
 
 
 def make_tasks(env_cfg: DictConfig, seed: int) -> list[dict[str, Any]]:
@@ -336,6 +355,7 @@ def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
     for name, values in groups.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{name}={values!r}: must be a config group (choose {name}=<name>)")
+    import_algorithm_module(groups["algorithm"].get("module"))
     algo = algorithm_config_from_dict(groups["algorithm"])
     trainer = check_trainer(groups["trainer"])
     driver_cfg = DriverConfig.from_dict(trainer.get("driver", {}))

@@ -121,8 +121,11 @@ class ChatFrame:
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "ChatFrame":
-        """Render ``[user, assistant A]`` and ``[user, assistant A, user O]`` + generation prompt; the second
-        minus the first, split at ``O``, is the observation's frame, and what follows ``A`` is the turn's close."""
+        """Render ``[user, assistant A]`` and ``[user, assistant A, user O]`` + generation prompt: what follows
+        ``A`` in the first is the turn's close; what follows it in the second is that close, then the observation's
+        frame around ``O``. Only the text after ``A`` must agree: templates that render an assistant turn
+        differently once it is no longer the last (Qwen3 drops earlier ``<think>`` blocks) still frame
+        observations the same way, and the rollout never re-renders earlier turns (it appends tokens)."""
         base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": cls._ASSISTANT}]
         try:
             closed = tokenizer.apply_chat_template(base, tokenize=False)
@@ -131,13 +134,14 @@ class ChatFrame:
         except Exception as exc:  # noqa: BLE001 - a template error, named below with its fix
             raise ValueError(f"the tokenizer's chat template cannot render a multi-turn chat ({exc}); multi-turn "
                              "tasks need a chat model (tokenizer_config.json with a chat_template)") from exc
-        if not extended.startswith(closed) or cls._ASSISTANT not in closed or \
-                extended[len(closed):].count(cls._OBSERVATION) != 1:
-            raise ValueError("the tokenizer's chat template renders an earlier turn differently once a user turn "
-                             "follows it, so observations cannot be appended token by token; use a template "
-                             "whose rendering of a conversation is a prefix of its rendering with one more turn")
-        turn_close = closed[closed.rindex(cls._ASSISTANT) + len(cls._ASSISTANT):]
-        user_open, user_close = extended[len(closed):].split(cls._OBSERVATION)
+        after = extended[extended.rindex(cls._ASSISTANT) + len(cls._ASSISTANT):] if cls._ASSISTANT in extended else ""
+        turn_close = closed[closed.rindex(cls._ASSISTANT) + len(cls._ASSISTANT):] if cls._ASSISTANT in closed else None
+        if turn_close is None or not after.startswith(turn_close) or after.count(cls._OBSERVATION) != 1:
+            raise ValueError("the tokenizer's chat template closes an assistant turn differently once a user turn "
+                             "follows it (or drops the turn's text), so observations cannot be appended token by "
+                             "token; multi-turn tasks need a template that ends an assistant turn the same way "
+                             "wherever it stands")
+        user_open, user_close = after[len(turn_close):].split(cls._OBSERVATION)
         specials = sorted((t for t in getattr(tokenizer, "all_special_tokens", []) +
                            list(getattr(tokenizer, "added_tokens_encoder", {}) or {}) if t), key=len, reverse=True)
         end_token = next((t for t in specials if turn_close.startswith(t)), None)
@@ -158,30 +162,36 @@ class ChatFormatter:
     Both conversions are pure functions of their text, so results are cached (``_TokenCache``): the
     ``group_size`` members of a prompt group share one chat-template call, and an observation text that
     repeats ("Invalid action.", "The key is 7.") is tokenised once. The observation's frame comes from the
-    template (:class:`ChatFrame`), built on first use: single-turn tasks never need it.
+    template (:class:`ChatFrame`), read once when the formatter is made.
     """
 
     def __init__(self, tokenizer, system_prompt: Optional[str] = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        self._frame: Optional[ChatFrame] = None
+        try:
+            self._frame: Optional[ChatFrame] = ChatFrame.from_tokenizer(tokenizer)
+            self._frame_error: Optional[ValueError] = None
+        except ValueError as exc:  # raised again where an observation needs the frame (multi-turn tasks)
+            self._frame, self._frame_error = None, exc
         self._prompt_cache = _TokenCache()
         self._observation_cache = _TokenCache()
 
     @property
     def frame(self) -> ChatFrame:
+        """The observation frame; raises the template's one-line error when it has none (call it at assembly
+        for a multi-turn task, so the run stops before training)."""
         if self._frame is None:
-            self._frame = ChatFrame.from_tokenizer(self.tokenizer)
+            raise self._frame_error
         return self._frame
 
     @property
     def end_token_id(self) -> Optional[int]:
-        """Id of the token that ends an assistant turn (the rollout's stop token), or None."""
-        try:
-            end = self.frame.end_token
-        except ValueError:  # no usable chat template: only single-turn tasks can run, stopped by eos
-            return None
-        return self.tokenizer.convert_tokens_to_ids(end) if end is not None else None
+        """Id of the token that ends an assistant turn (the rollout's stop token): the frame's end token, else
+        the tokenizer's eos (a template with no turn structure: single-turn tasks stop there), else None."""
+        end = self._frame.end_token if self._frame is not None else None
+        if end is not None:
+            return self.tokenizer.convert_tokens_to_ids(end)
+        return getattr(self.tokenizer, "eos_token_id", None)
 
     def prompt_ids(self, text: str) -> list[int]:
         return self._prompt_cache.get(text, text, lambda: self._render_prompt(text))

@@ -12,11 +12,15 @@ from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 import torch
 
 
+# read by the learner on every role: ``saves_sharded`` (True: the driver's checkpoints keep its state as shards,
+# every rank its own) and ``world_size`` (its data-parallel ranks)
+ROLE_ATTRIBUTES = ("saves_sharded", "world_size")
+
+
 @runtime_checkable
 class CheckpointedRole(Protocol):
-    """The checkpoint calls the learner makes on every trained role, in process or on a worker group. Each role
-    also has ``saves_sharded`` (True: the driver's checkpoints keep its state as shards, every rank its own) and
-    ``world_size`` (its data-parallel ranks)."""
+    """The checkpoint calls the learner makes on every trained role, in process or on a worker group, and two
+    attributes it reads (:data:`ROLE_ATTRIBUTES`; not declared here, so ``issubclass`` checks stay possible)."""
 
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optim"}``: full weights and optimizer state."""

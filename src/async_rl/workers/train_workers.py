@@ -65,7 +65,8 @@ class TrainedRoleWorker(RoleWorker):
                  dist_timeout_s: float = 600.0):
         super().__init__(torch_threads=torch_threads, device=device, dist_timeout_s=dist_timeout_s)
         self.role = None
-        self.update_count = 0  # optimizer steps taken and weight loads (a colocated rollout checks it was synced)
+        # weight changes: the actor's optimizer steps and every load (a colocated rollout checks it synced since)
+        self.update_count = 0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def state_dict(self) -> Optional[dict[str, Any]]:
