@@ -103,8 +103,30 @@ def test_bad_names_and_configs_list_what_is_valid():
         create_dataset("basic_arithmetic", {"min_terms": 3, "max_terms": 2}, 0, 1)
     with pytest.raises(ValueError, match="answer_format"):
         make_env("reasoning_gym", dataset="gsm_symbolic", answer_format="json")
-    with pytest.raises(KeyError, match="entry"):
+    with pytest.raises(KeyError, match="index"):
         make_env("reasoning_gym", dataset="gsm_symbolic").reset({"id": 1, "prompt": "q", "answer": "3"})
+
+
+@pytest.mark.slow  # ~5 s: arc_agi loads its puzzle files three times
+def test_items_are_scored_as_generated_and_a_foreign_config_is_refused():
+    """The env regenerates a record's item: arc_agi compares tuple grids, which a JSON round trip of the item would
+    turn into lists (its own right answer then scored 0.05, measured); and a record made with another config is
+    refused instead of being scored against a different item."""
+    from async_rl.envs.facts import env_facts
+
+    cfg = {"name": "reasoning_gym", "dataset": "arc_agi", "dataset_config": {}, "data_seed": 5, "num_train": 3,
+           "num_eval": 0, "split": "train", "answer_format": "answer_tag"}
+    facts = env_facts("reasoning_gym")
+    tasks = facts.make_tasks(cfg, 0)
+    env = make_env("reasoning_gym", **facts.env_kwargs(cfg))
+    for task in tasks:
+        env.reset(task)
+        assert env.step(format_answer(task["answer"], "answer_tag")).reward == 1.0
+    other = make_env("reasoning_gym", **facts.env_kwargs({**cfg, "data_seed": 6}))
+    with pytest.raises(ValueError, match="another dataset config or seed"):
+        other.reset(tasks[0])
+    with pytest.raises(ValueError, match="not an item"):
+        env.reset({**tasks[0], "index": 3})
 
 
 @pytest.mark.slow
@@ -122,7 +144,7 @@ def test_cli_refuses_an_unknown_dataset_in_one_line(tmp_path, capsys):
 def test_worked_solution_demonstrations_score_full_marks_and_noisy_ones_do_not(fmt):
     import random
 
-    env = make_env("reasoning_gym", dataset="gsm_symbolic", answer_format=fmt)
+    env = make_env("reasoning_gym", dataset="gsm_symbolic", answer_format=fmt, num_train=8, num_eval=0)
     tasks = make_reasoning_gym_tasks("gsm_symbolic", {}, 0, num_train=8, num_eval=0, answer_format=fmt)
     rng = random.Random(0)
     for task in tasks:

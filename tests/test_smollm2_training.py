@@ -107,7 +107,8 @@ def _one_step(smollm2_dir, algo, steps=1):
     config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     tasks = make_reasoning_gym_tasks("basic_arithmetic", config, 0, num_train=8, num_eval=0, answer_format="answer_tag")
     spec = RunSpec(model_path=str(smollm2_dir), env_name="reasoning_gym",
-                   env_kwargs={"dataset": "basic_arithmetic", "dataset_config": config, "answer_format": "answer_tag"},
+                   env_kwargs={"dataset": "basic_arithmetic", "dataset_config": config, "answer_format": "answer_tag",
+                               "data_seed": 0, "num_train": 8, "num_eval": 0},
                    tasks=tasks, max_new_tokens=8, limits=EpisodeLimits(max_turns=1, max_response_tokens=8))
     driver = build_deterministic_driver(algo, DriverConfig(total_steps=steps, chunk_tokens=8, synchronous=True), spec)
     trained = []

@@ -110,12 +110,14 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
     if not (warm / "config.json").exists():
         from async_rl.models.sft import TASK_DEMO_ENVS, sft_warm_start, sft_warm_start_on_tasks
 
+        # model.sft.lr: null keeps the tiny model's tuned rate (sft.DEFAULT_LR); a pretrained model needs far less
+        lr = {} if model_cfg.sft.get("lr") is None else {"lr": float(model_cfg.sft.lr)}
         if env_name in TASK_DEMO_ENVS and env_cfg is not None and tasks is not None:
             stats = sft_warm_start_on_tasks(source, warm, env_name, tasks, env_kwargs(env_cfg),
-                                            noise=model_cfg.sft.noise, steps=model_cfg.sft.steps, seed=seed)
+                                            noise=model_cfg.sft.noise, steps=model_cfg.sft.steps, seed=seed, **lr)
         else:
             stats = sft_warm_start(source, warm, env_name=env_name, noise=model_cfg.sft.noise,
-                                   steps=model_cfg.sft.steps, seed=seed)
+                                   steps=model_cfg.sft.steps, seed=seed, **lr)
         print(f"SFT warm start: {json.dumps({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
     return str(warm)
 

@@ -445,6 +445,7 @@ MODEL_RULES: dict[str, Rule] = {
     "sft.noise": Rule("float", "[0, 1]", optional=True),
     "sft.steps": Rule("int", ">= 1", optional=True),
     "sft.dir": Rule("str", optional=True),  # where the warm-started model is cached (null: <dir>/sft)
+    "sft.lr": Rule("float", "> 0", optional=True),  # SFT learning rate (null: the tiny model's tuned default)
 }
 
 # numpy's seed range: every seed must be accepted by random, numpy and torch alike

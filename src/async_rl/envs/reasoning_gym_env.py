@@ -23,14 +23,16 @@ own ``score_answer(answer, entry) -> float in [0, 1]``. This module:
 - **reward**: exactly the dataset's ``score_answer(extracted, entry)`` (some datasets give partial credit, e.g.
   ``gsm_symbolic`` 0.01 for a number that is wrong); ``success`` means a full score (>= 1).
 
-The task record carries the item as generated (question, answer, metadata), so the env scores what the generator
-made, with the dataset's config as given (some scorers read it).
+The task record names the item by its index; the env regenerates it from the same ``(dataset, dataset_config,
+data_seed, num_train, num_eval)`` and hands the scorer the item exactly as generated: a JSON round trip of the item
+would change what some scorers compare (``arc_agi`` and ``rearc`` grids are tuples: the right answer then scores 0.05
+instead of 1). A record whose question does not match the regenerated item (the env built with another config) is
+refused. A hand-made record may carry its item under ``entry`` instead of an index.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import random
 import re
 from typing import Any, Mapping, Optional
@@ -122,16 +124,11 @@ def format_answer(answer: str, answer_format: str) -> str:
     raise ValueError(f"answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
 
 
-def _jsonable(value: Any) -> Any:
-    """Task records travel through Ray and into result files: metadata made of plain JSON values."""
-    return json.loads(json.dumps(value, default=str))
-
-
 def make_reasoning_gym_tasks(dataset: str, dataset_config: Optional[Mapping[str, Any]] = None, data_seed: int = 0,
                              num_train: int = 1000, num_eval: int = 100, split: str = "train",
                              prompt_template: Optional[str] = None, answer_format: str = "answer_tag",
                              ) -> list[dict[str, Any]]:
-    """The ``split`` items (``train`` or ``eval``) as task records ``{id, prompt, answer, question, entry}``.
+    """The ``split`` items (``train`` or ``eval``) as task records ``{id, prompt, answer, question, index}``.
 
     ``prompt`` is ``prompt_template.format(question=..., instruction=...)`` (default: the question, a blank line, the
     answer format's instruction). Disjoint splits: see the module docstring.
@@ -142,7 +139,7 @@ def make_reasoning_gym_tasks(dataset: str, dataset_config: Optional[Mapping[str,
         raise ValueError(f"env.answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
     if int(num_train) < 1 or int(num_eval) < 0:
         raise ValueError(f"env.num_train={num_train} must be >= 1 and env.num_eval={num_eval} >= 0")
-    data = create_dataset(dataset, dataset_config, data_seed, int(num_train) + max(int(num_eval), 1))
+    data = create_dataset(dataset, dataset_config, data_seed, dataset_size(num_train, num_eval))
     items = [data[i] for i in range(int(num_train) + int(num_eval))]
     train_questions = {item["question"] for item in items[:num_train]}
     if split == "train":
@@ -154,12 +151,15 @@ def make_reasoning_gym_tasks(dataset: str, dataset_config: Optional[Mapping[str,
     instruction = FORMAT_INSTRUCTIONS[answer_format]
     tasks = []
     for index, item in chosen:
-        entry = _jsonable({"question": item["question"], "answer": item["answer"],
-                           "metadata": item.get("metadata", {})})
         tasks.append({"id": f"{dataset}-{data_seed}-{index}", "prompt": template.format(
             question=item["question"], instruction=instruction), "answer": str(item["answer"]),
-            "question": item["question"], "entry": entry})
+            "question": item["question"], "index": index})
     return tasks
+
+
+def dataset_size(num_train: int, num_eval: int) -> int:
+    """The size the items are generated with (some generators draw per-item choices for the whole size at once)."""
+    return int(num_train) + max(int(num_eval), 1)
 
 
 @register_env("reasoning_gym")
@@ -170,6 +170,8 @@ class ReasoningGymEnv(Env):
         dataset: a reasoning-gym dataset name (``env.dataset``).
         dataset_config: that dataset's config keys (``env.dataset_config``); some scorers read them.
         answer_format: how the answer is read from the response: ``answer_tag``, ``hashes`` or ``boxed``.
+        data_seed, num_train, num_eval: as the tasks were made (``env.data_seed``, ...): the env regenerates a
+            record's item by its ``index`` from them.
 
     ``step`` info: ``extracted_answer`` (str | None), ``score`` (the scorer's float), ``success`` (score >= 1),
     ``invalid_action`` (no answer in the requested format).
@@ -178,21 +180,40 @@ class ReasoningGymEnv(Env):
     max_turns = 1
 
     def __init__(self, dataset: str = "gsm_symbolic", dataset_config: Optional[Mapping[str, Any]] = None,
-                 answer_format: str = "answer_tag") -> None:
+                 answer_format: str = "answer_tag", data_seed: int = 0, num_train: int = 1000,
+                 num_eval: int = 100) -> None:
         if answer_format not in ANSWER_FORMATS:
             raise ValueError(f"answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
         self.dataset_name = dataset
         self.answer_format = answer_format
-        self._scorer = create_dataset(dataset, dataset_config, seed=0, size=1)  # only its score_answer is used
-        self._entry: Optional[dict[str, Any]] = None
+        self.num_items = int(num_train) + int(num_eval)
+        self._data = create_dataset(dataset, dataset_config, data_seed, dataset_size(num_train, num_eval))
+        self._entry: Optional[Mapping[str, Any]] = None
         self._done = True
 
-    def reset(self, task: dict[str, Any]) -> str:
+    def item(self, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The generated item a task record stands for (regenerated by ``index``; a hand-made ``entry`` as is)."""
+        index = task.get("index")
+        if index is not None:
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_items:
+                raise ValueError(f"reasoning_gym task {task.get('id', '?')!r}: index {index!r} is not an item of "
+                                 f"this env's {self.dataset_name} data (0..{self.num_items - 1})")
+            item = self._data[index]
+            if "question" in task and task["question"] != item["question"]:
+                raise ValueError(f"reasoning_gym task {task.get('id', '?')!r} was made with another dataset config "
+                                 f"or seed than this env's ({self.dataset_name}): build the env from the same env "
+                                 "config as the tasks (dataset, dataset_config, data_seed, num_train, num_eval)")
+            return item
         entry = task.get("entry")
-        if not isinstance(entry, Mapping) or "answer" not in entry or not isinstance(task.get("prompt"), str):
-            raise KeyError(f"reasoning_gym task {task.get('id', '?')!r} needs a 'prompt' text and the generated item "
-                           f"under 'entry' (fields: {sorted(task)}); build tasks with make_reasoning_gym_tasks")
-        self._entry = dict(entry)
+        if isinstance(entry, Mapping) and "answer" in entry:
+            return entry
+        raise KeyError(f"reasoning_gym task {task.get('id', '?')!r} needs an 'index' into the generated items (or "
+                       f"the item under 'entry'); fields: {sorted(task)}. Build tasks with make_reasoning_gym_tasks")
+
+    def reset(self, task: dict[str, Any]) -> str:
+        if not isinstance(task.get("prompt"), str):
+            raise KeyError(f"reasoning_gym task {task.get('id', '?')!r} needs a 'prompt' text; fields: {sorted(task)}")
+        self._entry = self.item(task)
         self._done = False
         return task["prompt"]
 
@@ -203,7 +224,7 @@ class ReasoningGymEnv(Env):
             raise RuntimeError("ReasoningGymEnv episode is over (single turn); call reset for the next task")
         self._done = True
         answer = extract_answer(action_text, self.answer_format)
-        score = float(self._scorer.score_answer(answer, self._entry))
+        score = float(self._data.score_answer(answer, self._entry))
         if not score == score or not 0.0 <= score <= 1.0:  # a scorer out of its documented range: clamp, never NaN
             score = 0.0 if score != score else min(max(score, 0.0), 1.0)
         return StepResult(observation="", reward=score, done=True,
@@ -212,11 +233,10 @@ class ReasoningGymEnv(Env):
 
 
 def reasoning_gym_env_kwargs(env_cfg: Any) -> dict[str, Any]:
-    config = env_cfg.get("dataset_config")
-    if config is not None and not isinstance(config, Mapping):
-        config = dict(config)
+    config = _to_plain(env_cfg.get("dataset_config"))  # nested lists too (operators: [...]) as plain values
     return {"dataset": env_cfg.get("dataset"), "dataset_config": dict(config or {}),
-            "answer_format": env_cfg.get("answer_format") or "answer_tag"}
+            "answer_format": env_cfg.get("answer_format") or "answer_tag", "data_seed": int(env_cfg.get("data_seed") or 0),
+            "num_train": int(env_cfg.get("num_train")), "num_eval": int(env_cfg.get("num_eval"))}
 
 
 def _to_plain(value: Any) -> Any:
@@ -251,7 +271,7 @@ def _worked_solution_policy(env, task: dict[str, Any], noisy: bool, rng: random.
     demonstration states a wrong final answer (one digit changed, or a different string)."""
     from async_rl.envs.demonstrations import _wrong_number
 
-    entry = task["entry"]
+    entry = env.item(task)
     answer = str(entry["answer"]).strip()
     stated = _wrong_number(rng, answer) if noisy else answer
     if noisy and stated == answer:

@@ -151,6 +151,9 @@ def materialize_packaged_model(name: str, out_dir: str | os.PathLike,
         raise PackagedModelError(f"model.packaged={name}: converting {gguf_path.name} failed ({type(err).__name__}: "
                                  f"{first}); fix: reinstall the pinned versions ({install_hint(spec)}; transformers "
                                  f"as in pyproject.toml)") from err
+    if is_materialized(out, name):  # another process finished first (two runs started together): keep its copy
+        shutil.rmtree(partial, ignore_errors=True)
+        return out
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
