@@ -39,6 +39,22 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _free_port() -> int:
+    """A free port in 6500-6999 for the GCS and each node's dashboard agent (not Ray's defaults 6379 and 52365: other
+    Ray clusters may share this machine)."""
+    import random
+    import socket
+
+    for port in random.sample(range(6500, 7000), 500):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 6500-6999 for the test's Ray head")
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     """``(cluster, add_second_node)``: a head with the custom resource ``head_node``; ``add_second_node(cpus)``
@@ -49,12 +65,14 @@ def two_nodes():
 
     torch.set_num_threads(1)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head_node": 2},
-                                                            "include_dashboard": False})
+                                                            "include_dashboard": False, "gcs_server_port": _free_port(),
+                                                            "dashboard_agent_listen_port": _free_port()})
     ray.init(address=cluster.address, log_to_driver=False)
     started = _pids(cluster.head_node)
 
     def add_second_node(num_cpus: int):
-        node = cluster.add_node(num_cpus=num_cpus, resources={"second_node": 2})
+        node = cluster.add_node(num_cpus=num_cpus, resources={"second_node": 2},
+                                dashboard_agent_listen_port=_free_port())
         started.extend(_pids(node))
         return node
 
