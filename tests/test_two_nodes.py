@@ -61,24 +61,31 @@ def two_nodes():
     starts a second raylet with ``second_node`` (each test its own: the tests kill it). Every process started is
     checked gone at the end."""
     import ray
+    import ray._common.utils
+    import ray._private.utils
     from ray.cluster_utils import Cluster
 
     torch.set_num_threads(1)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head_node": 2},
-                                                            "include_dashboard": False, "gcs_server_port": _free_port(),
-                                                            "dashboard_agent_listen_port": _free_port()})
-    ray.init(address=cluster.address, log_to_driver=False)
-    started = _pids(cluster.head_node)
+    with pytest.MonkeyPatch.context() as patch:
+        # Cluster writes its address to /tmp/ray/ray_current_cluster (and deletes that file at shutdown), where every
+        # other ray.init() on this machine would find it and try to join this cluster: keep it to ourselves
+        patch.setattr(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None)
+        patch.setattr(ray._common.utils, "reset_ray_address", lambda *args, **kwargs: None)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 4, "resources": {"head_node": 2}, "include_dashboard": False,
+            "gcs_server_port": _free_port(), "dashboard_agent_listen_port": _free_port()})
+        ray.init(address=cluster.address, log_to_driver=False)
+        started = _pids(cluster.head_node)
 
-    def add_second_node(num_cpus: int):
-        node = cluster.add_node(num_cpus=num_cpus, resources={"second_node": 2},
-                                dashboard_agent_listen_port=_free_port())
-        started.extend(_pids(node))
-        return node
+        def add_second_node(num_cpus: int):
+            node = cluster.add_node(num_cpus=num_cpus, resources={"second_node": 2},
+                                    dashboard_agent_listen_port=_free_port())
+            started.extend(_pids(node))
+            return node
 
-    yield cluster, add_second_node
-    ray.shutdown()
-    cluster.shutdown()
+        yield cluster, add_second_node
+        ray.shutdown()
+        cluster.shutdown()
     deadline = time.monotonic() + 30
     while any(_running(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.2)
