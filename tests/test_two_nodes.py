@@ -39,28 +39,53 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _free_port() -> int:
+    """A free port in 6500-6999 for the GCS and each node's dashboard agent (not Ray's defaults 6379 and 52365: other
+    Ray clusters may share this machine)."""
+    import random
+    import socket
+
+    for port in random.sample(range(6500, 7000), 500):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 6500-6999 for the test's Ray head")
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     """``(cluster, add_second_node)``: a head with the custom resource ``head_node``; ``add_second_node(cpus)``
     starts a second raylet with ``second_node`` (each test its own: the tests kill it). Every process started is
     checked gone at the end."""
     import ray
+    import ray._common.utils
+    import ray._private.utils
     from ray.cluster_utils import Cluster
 
     torch.set_num_threads(1)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head_node": 2},
-                                                            "include_dashboard": False})
-    ray.init(address=cluster.address, log_to_driver=False)
-    started = _pids(cluster.head_node)
+    with pytest.MonkeyPatch.context() as patch:
+        # Cluster writes its address to /tmp/ray/ray_current_cluster (and deletes that file at shutdown), where every
+        # other ray.init() on this machine would find it and try to join this cluster: keep it to ourselves
+        patch.setattr(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None)
+        patch.setattr(ray._common.utils, "reset_ray_address", lambda *args, **kwargs: None)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 4, "resources": {"head_node": 2}, "include_dashboard": False,
+            "gcs_server_port": _free_port(), "dashboard_agent_listen_port": _free_port()})
+        ray.init(address=cluster.address, log_to_driver=False)
+        started = _pids(cluster.head_node)
 
-    def add_second_node(num_cpus: int):
-        node = cluster.add_node(num_cpus=num_cpus, resources={"second_node": 2})
-        started.extend(_pids(node))
-        return node
+        def add_second_node(num_cpus: int):
+            node = cluster.add_node(num_cpus=num_cpus, resources={"second_node": 2},
+                                    dashboard_agent_listen_port=_free_port())
+            started.extend(_pids(node))
+            return node
 
-    yield cluster, add_second_node
-    ray.shutdown()
-    cluster.shutdown()
+        yield cluster, add_second_node
+        ray.shutdown()
+        cluster.shutdown()
     deadline = time.monotonic() + 30
     while any(_running(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -209,3 +234,56 @@ def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_o
     for step, path in kept:
         state, why = read_checkpoint(path)
         assert why is None, f"checkpoint of step {step}: {why}"
+
+
+@pytest.mark.vllm
+def test_a_vllm_replica_on_the_second_node_receives_weights_with_no_shared_path(two_nodes, tmp_path):
+    """A vLLM replica pinned to the second node: an update through the pool (object store -> the server on that
+    node -> that node's /dev/shm -> vLLM's worker) makes its log-probs equal teacher forcing under the new weights
+    (1e-4, fp32), which differ from the old ones; its engine processes run under it on that node and are gone once
+    the replica is shut down."""
+    import ray
+
+    from async_rl.models.loading import load_causal_lm
+    from async_rl.models.tiny import make_tiny_model
+    from async_rl.rollout.client import ReplicaPool, launch_replicas
+
+    cluster, add_second_node = two_nodes
+    second = add_second_node(2)
+    model = make_tiny_model(tmp_path / "hd32", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+    [replica] = launch_replicas("vllm", 1, str(model), name_prefix="two_nodes_vllm",
+                                engine_options={"kv_cache_memory_bytes": 64 << 20, "max_model_len": 512},
+                                replica_resources=[{"second_node": 1}])
+    server = replica.servers[0]
+    assert _node_of(server) == second.node_id
+    engine_pids = ray.get(server.engine_pids.remote())
+    assert engine_pids and all(_running(pid) for pid in engine_pids)
+    pool = ReplicaPool([replica], "vllm", health_check_s=0.5)
+    banned = (0, 1, 2, 3, 4)
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=5, banned_token_ids=banned)
+    prompt = [40, 41, 42, 43, 44, 45]
+    base = load_causal_lm(str(model), device="cpu").float().eval()
+    generator = torch.Generator().manual_seed(11)
+    state = {k: (v + 0.3 * torch.randn(v.shape, generator=generator)).contiguous() for k, v in base.state_dict().items()}
+    [before] = pool.generate([GenerationRequest("v0", prompt, sampling)])
+    pool.update_weights(state, 1)
+    [after] = pool.generate([GenerationRequest("v1", prompt, sampling)])
+    assert before.versions == [0] * 16 and after.versions == [1] * 16
+
+    def teacher_forced(weights, out):
+        base.load_state_dict(weights)
+        with torch.no_grad():
+            logits = base(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].double()
+        logits[:, list(banned)] = float("-inf")
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+
+    got = torch.tensor(after.logprobs, dtype=torch.float64)
+    under_new = teacher_forced(state, after)
+    under_old = teacher_forced(load_causal_lm(str(model), device="cpu").float().state_dict(), after)
+    assert (got - under_new).abs().max() <= 1e-4
+    assert (under_new - under_old).abs().max() > 1e-3
+    pool.shutdown()
+    deadline = time.monotonic() + 60
+    while any(_running(pid) for pid in engine_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in engine_pids), "vLLM's engine processes outlived their replica"
