@@ -497,6 +497,13 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         training_s = time.perf_counter() - training_started
+
+        def stop_while_finishing(signum, frame) -> None:  # training is done: the export and plots are cut short
+            last = driver.last_checkpoint
+            raise Interrupted(signum, int(driver.learner.step), last[1] if last else None, run_dir, at_once=True)
+
+        if previous:
+            _install_signal_handlers(stop_while_finishing)
         bar.close()
         summary = summarize(history, driver, cfg.env.name)
         summary["total_wall_s"] = time.perf_counter() - started  # from building the driver; time_s has the rest
@@ -530,6 +537,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
             ray.shutdown()
         if own_lock:
             lock.release()
+        for sig, handler in (locals().get("previous") or {}).items():  # the handlers from before training
+            signal.signal(sig, handler)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n== summary ==")
     for key, value in summary.items():
