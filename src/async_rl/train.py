@@ -262,9 +262,10 @@ class Interrupted(BaseException):
     can resume from (None: nothing kept). The CLI prints :meth:`line` and exits with ``128 + signal``."""
 
     def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None,
-                 run_dir: Path | None = None, at_once: bool = False):
+                 run_dir: Path | None = None, at_once: bool = False, save_error: str | None = None):
         super().__init__(signal.Signals(signum).name)
         self.signum, self.step, self.checkpoint, self.run_dir, self.at_once = signum, step, checkpoint, run_dir, at_once
+        self.save_error = save_error  # the final checkpoint failed (checkpoint: the newest one before it)
 
     @property
     def exit_status(self) -> int:
@@ -276,6 +277,8 @@ class Interrupted(BaseException):
             return f"interrupted by {name} before training began; nothing to keep (rerun the same command)"
         head = f"interrupted by {name} at step {self.step}" + (" (second signal: stopped at once)" if self.at_once
                                                                 else "")
+        if self.save_error:
+            head += f" (the final checkpoint failed: {self.save_error})"
         if self.checkpoint is None:
             return f"{head}; no checkpoint to resume from (no step was checkpointed): rerun the same command"
         command = "trainer.resume=true"
@@ -492,7 +495,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
             history = driver.run()
         except RunStopped as stopped:
             signum = getattr(signal.Signals, stopped.reason, signal.SIGINT)
-            raise Interrupted(int(signum), stopped.step, stopped.checkpoint, run_dir) from None
+            raise Interrupted(int(signum), stopped.step, stopped.checkpoint, run_dir,
+                              save_error=stopped.save_error) from None
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
