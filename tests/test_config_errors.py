@@ -87,17 +87,23 @@ CASES = [
 
 @pytest.mark.parametrize("override,message", CASES, ids=["group", "key", "value"])
 def test_the_cli_fails_in_one_line_with_status_2_within_3_seconds(override, message, tmp_path):
-    # measured: medians 0.65-1.0 s, at most 1.3 s, at load 4.5 on the 2-core machine (benchmarks/results/config_error_time.json)
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "async_rl.train", override, f"trainer.output_dir={tmp_path}/out"],
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True,
-                          text=True, timeout=120)
-    wall = time.perf_counter() - started
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(message), done.stderr
-    assert done.stdout == ""
-    assert wall < 3.0, f"{wall:.1f} s to a config error"
+    # measured: medians 0.36-0.85 s, the slowest of 20 tries 1.8 s, with the 2-core machine at load 6
+    # (benchmarks/results/config_error_time.json); the best of two tries must be under 3 s, so one load spike
+    # of another process does not fail the test, while a CLI that imports torch first (15 s here) always does
+    walls = []
+    for _ in range(2):
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "async_rl.train", override, f"trainer.output_dir={tmp_path}/out"],
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True,
+                              text=True, timeout=120)
+        walls.append(time.perf_counter() - started)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), done.stderr
+        assert done.stdout == ""
+        if walls[-1] < 3.0:
+            break
+    assert min(walls) < 3.0, f"{walls} s to a config error"
     assert not (tmp_path / "out").exists()
 
 

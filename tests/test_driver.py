@@ -430,3 +430,30 @@ def test_idle_fractions_mean_the_same_in_both_schedulers(tiny_model):
     for row in (last, concurrent.run()[-1]):
         assert 0.0 <= row["perf/trainer_idle_frac"] < 1.0 and 0.0 <= row["perf/rollout_idle_frac"] <= 1.0
     assert not any(key.startswith("sim/") for row in concurrent.history for key in row)
+
+
+def test_stop_at_cut_keeps_the_newest_checkpoint_and_says_why_when_the_final_one_fails(tmp_path):
+    """Issue 38, item 1: a stop at a cut writes the final checkpoint; when it cannot (a worker the same Ctrl-C
+    ended), RunStopped names the newest checkpoint on disk and the reason instead of raising something else."""
+    from types import SimpleNamespace
+
+    from async_rl.driver.core import RunCore, RunStopped
+
+    def failing_save():
+        raise OSError("disk full\nsecond line")
+
+    older = tmp_path / "step_000004.pt"
+    core = SimpleNamespace(learner=SimpleNamespace(step=6), checkpoint_dir=tmp_path, last_checkpoint=(4, older),
+                           stop_reason="SIGINT", save_checkpoint=failing_save)
+    with pytest.raises(RunStopped) as caught:
+        RunCore.stop_at_cut(core)
+    assert (caught.value.step, caught.value.checkpoint, caught.value.save_error) == (6, older, "OSError: disk full")
+    core.save_checkpoint = lambda: tmp_path / "step_000006.pt"
+    with pytest.raises(RunStopped) as caught:
+        RunCore.stop_at_cut(core)
+    assert caught.value.checkpoint == tmp_path / "step_000006.pt" and caught.value.save_error is None
+    core.learner.step = 0  # nothing trained: nothing to keep, no save attempted
+    core.save_checkpoint = failing_save
+    with pytest.raises(RunStopped) as caught:
+        RunCore.stop_at_cut(core)
+    assert caught.value.checkpoint is None and caught.value.save_error is None

@@ -288,7 +288,14 @@ def test_failed_resume_leaves_every_file_byte_identical(uninterrupted, killed):
     last_line = failed.stderr.strip().splitlines()[-1]  # after the model-loading progress bars
     assert last_line.startswith("error: no usable checkpoint") and "Traceback" not in failed.stderr
     assert "step_000004.pt: checksum mismatch" in last_line and "step_000002.pt: checksum mismatch" in last_line
-    assert _snapshot(run_dir) == before
+    # every file of the run is as it was; the log only gains the attempt's lines (its last: the error), and the
+    # killed run's stale lock was taken over and given back
+    after = _snapshot(run_dir)
+    log_before, log_after = before.pop("train.log"), after.pop("train.log")
+    assert log_after.startswith(log_before) and log_after.decode().rstrip().endswith(last_line)
+    assert ".lock" in before and ".lock" not in after
+    before.pop(".lock")
+    assert after == before
 
 
 def test_fresh_run_refuses_to_mix_its_checkpoints_with_an_earlier_runs(uninterrupted):

@@ -377,7 +377,8 @@ def _draw_panel(ax, panel: Panel, rows: Sequence[Mapping], config: Mapping[str, 
     ax.legend(fontsize=7, loc="best", framealpha=0.8)
     note = panel_note(panel, rows)
     if note:
-        ax.text(0.02, 0.02, note, transform=ax.transAxes, fontsize=6.5, color="dimgray", va="bottom", wrap=True)
+        ax.text(0.02, 0.02, note, transform=ax.transAxes, fontsize=6.5, color="dimgray", va="bottom",
+                bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})
     return True
 
 
@@ -390,8 +391,8 @@ def panel_note(panel: Panel, rows: Sequence[Mapping]) -> Optional[str]:
     _, success = _series(rows, "train/success_rate")
     recent = success[-max(len(success) // 10, 1):]
     if recent and sum(recent) / len(recent) >= 0.95:
-        return (f"success ≈ {sum(recent) / len(recent):.2f} in the last steps: returns barely vary, so explained "
-                "variance near or below 0 says little about the critic")
+        return (f"late success ≈ {sum(recent) / len(recent):.2f}: returns barely vary,\n"
+                "so explained variance near 0 says little about the critic")
     return None
 
 

@@ -295,9 +295,10 @@ class Interrupted(BaseException):
     can resume from (None: nothing kept). The CLI prints :meth:`line` and exits with ``128 + signal``."""
 
     def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None,
-                 run_dir: Path | None = None, at_once: bool = False):
+                 run_dir: Path | None = None, at_once: bool = False, save_error: str | None = None):
         super().__init__(signal.Signals(signum).name)
         self.signum, self.step, self.checkpoint, self.run_dir, self.at_once = signum, step, checkpoint, run_dir, at_once
+        self.save_error = save_error  # the final checkpoint failed (checkpoint: the newest one before it)
 
     @property
     def exit_status(self) -> int:
@@ -309,6 +310,8 @@ class Interrupted(BaseException):
             return f"interrupted by {name} before training began; nothing to keep (rerun the same command)"
         head = f"interrupted by {name} at step {self.step}" + (" (second signal: stopped at once)" if self.at_once
                                                                 else "")
+        if self.save_error:
+            head += f" (the final checkpoint failed: {self.save_error})"
         if self.checkpoint is None:
             return f"{head}; no checkpoint to resume from (no step was checkpointed): rerun the same command"
         command = "trainer.resume=true"
@@ -535,11 +538,19 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
             history = driver.run()
         except RunStopped as stopped:
             signum = getattr(signal.Signals, stopped.reason, signal.SIGINT)
-            raise Interrupted(int(signum), stopped.step, stopped.checkpoint, run_dir) from None
+            raise Interrupted(int(signum), stopped.step, stopped.checkpoint, run_dir,
+                              save_error=stopped.save_error) from None
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         training_s = time.perf_counter() - training_started
+
+        def stop_while_finishing(signum, frame) -> None:  # training is done: the export and plots are cut short
+            last = driver.last_checkpoint
+            raise Interrupted(signum, int(driver.learner.step), last[1] if last else None, run_dir, at_once=True)
+
+        if previous:
+            _install_signal_handlers(stop_while_finishing)
         bar.close()
         summary = summarize(history, driver, cfg.env.name)
         summary["total_wall_s"] = time.perf_counter() - started  # from building the driver; time_s has the rest
@@ -573,6 +584,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
             ray.shutdown()
         if own_lock:
             lock.release()
+        for sig, handler in (locals().get("previous") or {}).items():  # the handlers from before training
+            signal.signal(sig, handler)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n== summary ==")
     for key, value in summary.items():

@@ -63,11 +63,12 @@ class RunStopped(Exception):
     CLI). ``checkpoint``: the checkpoint holding step ``step`` (None when no step had trained, or the driver has
     no checkpoint directory)."""
 
-    def __init__(self, reason: str, step: int, checkpoint: Optional[Path]):
+    def __init__(self, reason: str, step: int, checkpoint: Optional[Path], save_error: Optional[str] = None):
         super().__init__(f"stopped at step {step} ({reason})")
         self.reason = reason
         self.step = step
         self.checkpoint = checkpoint
+        self.save_error = save_error  # why the final checkpoint could not be written (checkpoint: the newest before)
 
 
 @dataclass
@@ -308,10 +309,14 @@ class RunCore(abc.ABC):
         trained since the newest one (nothing trained: nothing worth keeping), then raise :class:`RunStopped`.
         The checkpoint is the one a periodic save at this step would write, so a resumed run continues as the
         uninterrupted run would."""
-        path = None
+        path, save_error = None, None
         if self.learner.step > 0 and self.checkpoint_dir is not None:
             if self.last_checkpoint is not None and self.last_checkpoint[0] == self.learner.step:
                 path = self.last_checkpoint[1]
             else:
-                path = self.save_checkpoint()
-        raise RunStopped(self.stop_reason or "stop requested", self.learner.step, path)
+                try:
+                    path = self.save_checkpoint()
+                except Exception as err:  # e.g. a worker the same Ctrl-C ended: say so, keep the newest one
+                    save_error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                    path = self.last_checkpoint[1] if self.last_checkpoint is not None else None
+        raise RunStopped(self.stop_reason or "stop requested", self.learner.step, path, save_error)
