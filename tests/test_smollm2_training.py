@@ -99,7 +99,7 @@ def test_sapo_readout_ids_are_unused_specials_and_never_sampled(engine):
 def _one_step(smollm2_dir, algo, steps=1):
     """``steps`` training steps on 1-digit sums (short prompts and answers); returns the driver, its history and
     every trajectory the learner trained on."""
-    from async_rl.driver.build import RunSpec, build_deterministic_driver
+    from async_rl.assemble import RunSpec, build_deterministic_driver
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.reasoning_gym_env import make_reasoning_gym_tasks

@@ -179,7 +179,7 @@ def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_o
     import async_rl.envs.toy  # noqa: F401
     import async_rl.rollout.client as client
     from async_rl.config import AlgorithmConfig
-    from async_rl.driver.build import RunSpec, build_concurrent_driver
+    from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.checkpoint import list_checkpoints, read_checkpoint
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
