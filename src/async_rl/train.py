@@ -266,9 +266,32 @@ class ProgressLines:
                 f"| {per_step:.1f} s/step, elapsed {elapsed:.0f} s, eta {eta:.0f} s")
 
 
-def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_dir: Path, steps: int) -> Path:
+def quiet_library_output() -> None:
+    """One progress display per phase: the libraries' own per-load bars ("Loading weights", once per model copy)
+    and huggingface_hub's per-save INFO line (once per checkpoint, as each refreshes the exported model) would
+    interleave with the run's progress lines; warnings and errors still pass."""
+    import logging
+
+    logging.getLogger("huggingface_hub").setLevel(logging.WARNING)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_dir: Path, steps: int,
+                          announce: bool = True) -> Path:
     """The trained policy as a Hugging Face model in ``<run_dir>/model`` (``async_rl.models.export``);
-    ``<trainer.output_dir>/last_run.json`` then points at it. SAPO's reserved value ids go with it."""
+    ``<trainer.output_dir>/last_run.json`` then points at it. SAPO's reserved value ids go with it.
+    ``announce=False``: the refresh at each checkpoint, silent (the final export prints where it is)."""
     from async_rl.models.export import export_run_policy
 
     actor = driver.learner.actor
@@ -285,7 +308,8 @@ def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_di
     if reserved is not None:
         info.update(sapo_tau_v=float(algo.sapo_tau_v), sapo_r_max=float(algo.sapo_r_max))
     model_dir = export_run_policy(actor, model_path, run_dir, cfg.trainer.output_dir, info, reserved_ids=reserved)
-    print(f"exported the trained policy to {model_dir} (evaluate it: make eval MODEL={model_dir})")
+    if announce:
+        print(f"exported the trained policy to {model_dir} (evaluate it: make eval MODEL={model_dir})")
     return model_dir
 
 
@@ -369,7 +393,8 @@ def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
     import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
     from async_rl.envs.facts import env_facts
 
-    env_check = env_facts(checked["env"]["name"]).check_config
+    # an env of yours (env.module) is imported, and checked, when the run starts: nothing of it is imported here
+    env_check = None if checked["env"].get("module") else env_facts(checked["env"]["name"]).check_config
     if env_check is not None:  # checks that need the env's own package (reasoning-gym's dataset names)
         try:
             env_check(checked["env"])
@@ -452,6 +477,8 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
 
     import async_rl.envs.toy  # noqa: F401  (registers the embedded envs)
     import async_rl.verl_plugin  # noqa: F401  (our estimators and losses in verl's registries; the CLI defers it)
+
+    quiet_library_output()
     from async_rl.assemble import RunSpec, build_concurrent_driver, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.engine.settings import TrainingSettings
@@ -509,7 +536,7 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         if cfg.trainer.get("export_model", True) and hasattr(driver, "on_checkpoint"):
             # every checkpoint also refreshes outputs/<run>/model, so a run stopped early has a model to evaluate
             driver.on_checkpoint = lambda path: export_trained_policy(cfg, algo, driver, model_path, run_dir,
-                                                                      int(driver.learner.step))
+                                                                      int(driver.learner.step), announce=False)
         resumed = bool(cfg.trainer.resume) and driver.resume()  # falls back past a damaged newest checkpoint
         if resumed:
             print(f"resumed from {driver.resumed_from} at step {driver.learner.step}", flush=True)

@@ -80,14 +80,7 @@ _KL_VALUE_CLAMP = 10.0
 # reserved ids
 # ----------------------------------------------------------------------------------------------------
 def _special_ids(tokenizer) -> set[int]:
-    ids = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or ())}
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id", "unk_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
+    return {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or ())} | _core_ids(tokenizer)
 
 
 def _added_ids(tokenizer) -> set[int]:
