@@ -123,7 +123,7 @@ def test_warm_start_on_tasks_names_the_envs_it_supports(tmp_path):
 
 def test_toy_defaults_are_untouched_and_every_task_has_its_own():
     assert DEFAULTS["toy_keys"] == {"noise": 0.7, "steps": 450, "clean_fraction": 2 / 3, "blind_fraction": 1.0}
-    assert set(TASK_DEFAULTS) == {"math", "retool", "alfworld", "webshop"}
+    assert set(TASK_DEFAULTS) == {"math", "retool", "alfworld", "webshop", "reasoning_gym"}
     assert all(0 < d["noise"] < 1 and d["steps"] > 0 for d in TASK_DEFAULTS.values())
 
 

