@@ -273,6 +273,12 @@ def quiet_library_output() -> None:
     import logging
 
     logging.getLogger("huggingface_hub").setLevel(logging.WARNING)
+    try:  # its serialization module names its logger by file path, outside the "huggingface_hub" hierarchy
+        import huggingface_hub.serialization._torch as hf_torch_serialization
+
+        hf_torch_serialization.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):  # pragma: no cover - another huggingface_hub layout: the line stays
+        pass
     try:
         from transformers.utils import logging as hf_logging
 
