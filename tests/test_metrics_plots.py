@@ -451,3 +451,21 @@ def test_units_panels_and_the_explained_variance_note():
     assert "returns barely vary" in _texts(_panels(fig)["critic explained variance"])
     assert sum(ax.get_visible() for ax in fig.axes) == len(ALGORITHM_PANELS["lisao"])
     _close(fig)
+
+
+def test_mismatch_panel_draws_only_steps_with_tokens_at_the_trainers_version():
+    """``rollout/mismatch_kl`` is 0 by construction on a step where every token lagged (no token to compare): the
+    panel leaves such steps out and says how many, instead of drawing a flat, false 0 (the demo at lag 4)."""
+    rows = _rows(steps=10, with_critic=True)
+    rows = [{**r, "rollout/mismatch_tokens": 50.0 if r["step"] <= 3 else 0.0,
+             "rollout/mismatch_kl": r["rollout/mismatch_kl"] if r["step"] <= 3 else 0.0} for r in rows]
+    fig = build_run_figure(rows, "lisao", {})
+    ax = _panels(fig)["rollout / trainer mismatch"]
+    assert list(ax.lines[0].get_xdata()) == [1, 2, 3]
+    assert "7 of 10 steps had no token sampled at the trainer's version" in _texts(ax)
+    _close(fig)
+    lagged = [{**r, "rollout/mismatch_tokens": 0.0, "rollout/mismatch_kl": 0.0} for r in rows]
+    fig = build_run_figure(lagged, "lisao", {})
+    ax = _panels(fig)["rollout / trainer mismatch"]
+    assert len(ax.lines) == 0 and "10 of 10 steps had no token" in _texts(ax)
+    _close(fig)

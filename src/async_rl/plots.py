@@ -35,6 +35,7 @@ class Series:
     keys: tuple[str, ...]
     label: str
     smooth: bool = False  # raw points + the trailing EMA
+    count_key: Optional[str] = None  # a step is drawn only where this count is > 0 (its value is undefined at 0)
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ OFF_POLICY = Panel("off-policy tokens", (Series(("async/off_policy_token_ratio",
 # the env's own reward (WebShop: the purchase score in [0, 1]; success is the accuracy panel's score == 1)
 REWARD = Panel("reward", (Series(("train/reward_mean",), "mean reward per trajectory", smooth=True),),
                "env reward (+ shaping)")
-MISMATCH = Panel("rollout / trainer mismatch", (Series(("rollout/mismatch_kl",), "KL(rollout || trainer)"),),
-                 "nats per token")
+# measured on tokens sampled at the trainer's own version only: a step with none logs 0, which is not a measurement
+MISMATCH = Panel("rollout / trainer mismatch", (Series(("rollout/mismatch_kl",), "KL(rollout || trainer)",
+                                                       count_key="rollout/mismatch_tokens"),), "nats per token")
 POLICY_LOSS = Panel("policy loss", (Series(("actor/pg_loss",), "actor/pg_loss"),), "loss (advantage-weighted)")
 CRITIC_EV = Panel("critic explained variance",
                   (Series(("critic/ev_tokens", "critic/explained_var"), "all model tokens"),
@@ -254,10 +256,13 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value))
 
 
-def _series(rows: Sequence[Mapping], key: str, x_key: str = "step") -> tuple[list[float], list[float]]:
+def _series(rows: Sequence[Mapping], key: str, x_key: str = "step",
+            count_key: Optional[str] = None) -> tuple[list[float], list[float]]:
     xs, vals = [], []
     for row in rows:
         x = _x_of(row, x_key)
+        if count_key is not None and _finite(row.get(count_key)) and float(row[count_key]) <= 0:
+            continue  # a logged count of 0 (a run that does not log the count keeps every step)
         if key in row and _finite(row[key]) and x is not None:
             xs.append(int(x) if x_key == "step" else float(x))
             vals.append(float(row[key]))
@@ -344,10 +349,10 @@ def _draw_panel(ax, panel: Panel, rows: Sequence[Mapping], config: Mapping[str, 
     """Draw one panel; returns False (and shows only a message) when the run logged none of its metrics."""
     drawn = False
     for i, series in enumerate(panel.series):
-        key = next((k for k in series.keys if _series(rows, k)[0]), None)
+        key = next((k for k in series.keys if _series(rows, k, count_key=series.count_key)[0]), None)
         if key is None:
             continue
-        steps, values = _series(rows, key)
+        steps, values = _series(rows, key, count_key=series.count_key)
         color = f"C{i}"
         if series.smooth:
             ax.plot(steps, values, color=color, alpha=0.35, linewidth=0.6, marker=".", markersize=3,
@@ -359,8 +364,9 @@ def _draw_panel(ax, panel: Panel, rows: Sequence[Mapping], config: Mapping[str, 
         drawn = True
     ax.set_title(panel.title, fontsize=10)
     if not drawn:
+        note = panel_note(panel, rows)
         keys = sorted({k for series in panel.series for k in series.keys})
-        _no_data(ax, "not logged in this run:\n" + "\n".join(keys))
+        _no_data(ax, note or "not logged in this run:\n" + "\n".join(keys))
         return False
     for threshold in panel.thresholds:
         value = _threshold_value(threshold, rows, config)
@@ -386,6 +392,13 @@ def panel_note(panel: Panel, rows: Sequence[Mapping]) -> Optional[str]:
     """A short note where a measured effect would mislead: explained variance (``1 - Var(G-V)/Var(G)``) of a
     run whose recent success is near 1 has almost no return variance to explain, so it falls toward 0 or
     below (or is not logged) whatever the critic knows."""
+    if panel == MISMATCH:
+        counts = [float(r["rollout/mismatch_tokens"]) for r in rows if _finite(r.get("rollout/mismatch_tokens"))]
+        empty = sum(1 for c in counts if c <= 0)
+        if counts and empty:
+            return (f"{empty} of {len(counts)} steps had no token sampled at the trainer's version\n"
+                    "(every token lagged): nothing to compare there, not drawn")
+        return None
     if panel not in (CRITIC_EV, SAPO_EV):
         return None
     _, success = _series(rows, "train/success_rate")
