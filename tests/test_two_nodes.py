@@ -6,7 +6,8 @@ Shown: the weights of an update reach the replica on the second node through Ray
 trainer's is read there): both replicas then answer a seeded request identically, and differently from before the
 update. Then the second node's raylet and workers are killed by pid mid-request: the pool marks that replica
 failed, ends its request "aborted" and counts it, within a bound, and goes on with the head's replica; its own
-request finishes and a new one is served. Every process the test started is gone afterwards.
+request finishes and a new one is served. (The second replica is paused before that request, so it is certainly
+unfinished at the kill whatever the machine's speed.) Every process the test started is gone afterwards.
 
 Not shown here (issue 37, item 6): the whole trainer on one node and a replica on the other, learning, with the
 node lost mid-run; this test drives the pool directly.
@@ -136,12 +137,19 @@ def test_weights_reach_a_replica_on_another_node_and_losing_that_node_aborts_its
     assert after[0].token_ids == after[1].token_ids and after[0].logprobs == pytest.approx(after[1].logprobs, abs=1e-5)
     assert after[1].logprobs != pytest.approx(before[1].logprobs, abs=1e-3)  # the new weights, on the second node
 
-    # lose the second node mid-request: its raylet and workers, killed by pid
-    # as long as the context allows (1,024 positions): on a quiet machine 400 tokens could finish before the kill
+    # lose the second node mid-request: its raylet and workers, killed by pid. The second replica is paused first
+    # (its decode loop holds every request it accepts), so its request is certainly unfinished when the node dies:
+    # unpaused, CI's machine once ran all 1,000 tokens of the tiny model before the kill landed
     long = SamplingParams(max_new_tokens=1000, temperature=1.0, ignore_eos=True, seed=4)
+    paused = ray.get(pool._server(1).abort_all_requests.remote(reject_request=False))
+    assert paused["aborted_count"] == 0
     pool.add_requests([GenerationRequest("c0", [5, 6, 7, 8], long), GenerationRequest("c1", [5, 6, 7, 8], long)])
     on_second = [rid for rid, live in pool._live.items() if live.replica == 1]
     assert len(on_second) == 1
+    deadline = time.monotonic() + FAILURE_BOUND_S  # the request reached the server (held there, not finished)
+    while ray.get(pool._server(1).ping.remote())["num_unfinished"] < 1:  # counts accepted, not yet admitted
+        assert time.monotonic() < deadline, "the second replica never received its request"
+        time.sleep(0.05)
     remote_pid = pool.pids[1]
     started = time.monotonic()
     cluster.remove_node(second, allow_graceful=False)
