@@ -62,6 +62,14 @@ def test_tiny_recipe_goes_through_every_phase(task, tmp_path):
         assert max(json.loads(line).get("train/success_rate", 0.0) for line in (run_dir / "metrics.jsonl").open()) > 0
     if task == "retool":
         assert phases["tool_calls"]["count"] > 0 and stats["demo_code_turns_mean"] > 0.5
+    # one progress display per phase (issue 38, item 5), in the output and in train.log: the warm start counts its
+    # SFT steps, the build says what it starts, training counts its steps; each ends with its duration
+    log = (run_dir / "train.log").read_text()
+    total = summary["steps"]
+    for text in (out.stdout, log):
+        for line in (f"warm start: {stats['steps']}/{stats['steps']} steps loss", "warm start: done in",
+                     "build: ", "build: done in", f"training: {total}/{total} steps acc", "training: done in"):
+            assert line in text, (line, text[-3000:])
 
 
 def test_full_recipe_without_gpu_names_the_tiny_variant():

@@ -247,6 +247,9 @@ def test_killed_run_resumes_with_every_step_logged_exactly_once(uninterrupted, k
     resumed = _cli(_overrides(tmp_path, "resumed", "trainer.resume=true"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_000004.pt at step 4" in resumed.stdout
+    # the training display counts on from the checkpoint's step (its first line: step 5 of 6)
+    assert "training: 5/6 steps acc" in resumed.stdout and "training: 1/6 steps" not in resumed.stdout
+    assert "training: 6/6 steps acc" in (run_dir / "train.log").read_text()
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     # row 5 was dropped and redone, rows 1-4 kept: the same numbers as the uninterrupted run

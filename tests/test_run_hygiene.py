@@ -82,12 +82,17 @@ def test_progress_lines_every_10_steps_or_10_seconds():
 
 
 def test_progress_line_reads_well():
+    from async_rl.progress import Phase
+
     clock = FakeClock()
-    progress = train.ProgressLines(40, clock=clock)
-    clock.now = 30.0
-    line = progress.line(3, {"train/success_rate": 0.25, "train/reward_mean": 0.5, "async/policy_lag/mean": 1.5})
-    # 3 steps in 30 s: 10 s a step, 37 steps left
-    assert line == "step 3/40 acc 0.25 reward 0.50 lag 1.50 | 10.0 s/step, elapsed 30 s, eta 370 s"
+    with Phase("training", total=40, terminal=False, clock=clock, log_only=None) as phase:
+        clock.now = 30.0
+        # 3 steps in 30 s: 10 s a step, 37 steps left
+        assert phase.line(3, "acc 0.25 reward 0.50 lag 1.50") == \
+            "training: 3/40 steps acc 0.25 reward 0.50 lag 1.50 | 10.0 s/step, elapsed 30 s, eta 370 s"
+        # fast phases read as a rate: 3 steps in 0.03 s
+        clock.now = 0.03
+        assert phase.lines.timing(3).startswith("100 steps/s, elapsed 0 s, eta 0 s")
 
 
 def test_admissible_actions_is_a_list_property_in_every_agent_env():

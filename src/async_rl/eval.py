@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from async_rl.progress import Phase, quiet_library_output
+
 __all__ = ["DEFAULT_KS", "EvalConfig", "EvalSetupError", "choose_model", "evaluate_pass_at_k", "format_table", "main",
            "parse_args", "percent", "run_eval"]
 
@@ -584,6 +586,7 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     from async_rl.models.export import banned_token_ids_of
 
+    quiet_library_output()  # the "Loading weights" bar would come before the eval's own display
     engine = HFRolloutEngine(cfg.model_dir, device=cfg.device, dtype=cfg.dtype)
     formatter = ChatFormatter(engine.tokenizer, system_prompt=cfg.system_prompt)
     stop_ids = (formatter.end_token_id,) if formatter.end_token_id is not None else ()
@@ -605,16 +608,18 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         for set_name, tasks in sets:
-            done = [0]
             total = len(tasks) * cfg.n_samples
+            # stderr, as every [eval] note: stdout carries the table
+            with Phase(f"[eval] {set_name}", total=total, unit="sample", stream=sys.stderr,
+                       detail=f"{len(tasks)} problems x {cfg.n_samples} samples") as phase:
+                done = [0]
 
-            def progress(count: int, name: str = set_name, total: int = total, done: list = done) -> None:
-                done[0] += count
-                print(f"[eval] {name}: {done[0]}/{total} samples ({time.perf_counter() - started:.0f} s)",
-                      file=sys.stderr, flush=True)
+                def progress(count: int, phase: Phase = phase, done: list = done) -> None:
+                    done[0] += count
+                    phase.update(done[0])
 
-            trajectories = run_episodes(engine, formatter, env_factory, set_name, tasks, cfg.n_samples, sampling,
-                                        limits, cfg.seed, cfg.batch_size, on_batch=progress)
+                trajectories = run_episodes(engine, formatter, env_factory, set_name, tasks, cfg.n_samples,
+                                            sampling, limits, cfg.seed, cfg.batch_size, on_batch=progress)
             correct: dict[str, list[bool]] = {str(t["id"]): [] for t in tasks}
             aborted: Counter = Counter()
             truncated: Counter = Counter()

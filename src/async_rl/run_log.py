@@ -113,3 +113,12 @@ def append_line(line: str) -> None:
     if path is not None:
         with open(path, "a", encoding="utf-8") as log:
             log.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}][stderr] {line}\n")
+
+
+def log_only(line: str) -> None:
+    """Add a line to ``train.log`` without showing it (a progress line while the terminal draws a bar); nothing
+    outside a :func:`run_log` block."""
+    stdout = sys.stdout
+    if isinstance(stdout, _Tee):
+        stdout.log.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}][stdout] {line}\n")
+        stdout.log.flush()

@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 from async_rl.cli_config import REPO_CONF, compose_command_line
 from async_rl.config import AlgorithmConfig, algorithm_config_from_dict, plan_for
 from async_rl.driver.settings import DriverConfig
+from async_rl.progress import Phase, ProgressLines, quiet_library_output  # noqa: F401 - train.ProgressLines, as before
 from async_rl.rollout.settings import ReplicaSettings
 from async_rl.run_dir import RunLock, check_run_dir, clear_outputs
 from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,  # noqa: F401
@@ -112,12 +113,18 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
 
         # model.sft.lr: null keeps the tiny model's tuned rate (sft.DEFAULT_LR); a pretrained model needs far less
         lr = {} if model_cfg.sft.get("lr") is None else {"lr": float(model_cfg.sft.lr)}
-        if env_name in TASK_DEMO_ENVS and env_cfg is not None and tasks is not None:
-            stats = sft_warm_start_on_tasks(source, warm, env_name, tasks, env_kwargs(env_cfg),
-                                            noise=model_cfg.sft.noise, steps=model_cfg.sft.steps, seed=seed, **lr)
-        else:
-            stats = sft_warm_start(source, warm, env_name=env_name, noise=model_cfg.sft.noise,
-                                   steps=model_cfg.sft.steps, seed=seed, **lr)
+        with Phase("warm start", detail=f"SFT on scripted {env_name} episodes (cached in {warm}; "
+                                        "the first run of a task only)") as phase:
+            def on_step(step: int, steps: int, loss: float) -> None:
+                phase.update(step, f"loss {loss:.3f}", total=steps)
+
+            if env_name in TASK_DEMO_ENVS and env_cfg is not None and tasks is not None:
+                stats = sft_warm_start_on_tasks(source, warm, env_name, tasks, env_kwargs(env_cfg),
+                                                noise=model_cfg.sft.noise, steps=model_cfg.sft.steps, seed=seed,
+                                                on_step=on_step, **lr)
+            else:
+                stats = sft_warm_start(source, warm, env_name=env_name, noise=model_cfg.sft.noise,
+                                       steps=model_cfg.sft.steps, seed=seed, on_step=on_step, **lr)
         print(f"SFT warm start: {json.dumps({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
     return str(warm)
 
@@ -228,69 +235,16 @@ def summarize(history: list[dict], driver, env_name: str = "") -> dict[str, Any]
     }
 
 
-class ProgressLines:
-    """Progress lines for logs, where the tqdm bar is off (stdout or stderr is not a terminal).
-
-    A line is due on the first and the last step, every ``every_steps`` steps, and on any step that ends
-    ``every_s`` seconds or more after the previous line: a fast run (toy tasks, ~0.1 s a step) prints
-    every 10 steps, a slow one (ALFWorld, ~15 s a step) every step, so a log never goes quiet for long.
-    """
-
-    def __init__(self, total_steps: int, every_s: float = 10.0, every_steps: int = 10, clock=time.monotonic):
-        self.total_steps = int(total_steps)
-        self.every_s = float(every_s)
-        self.every_steps = int(every_steps)
-        self.clock = clock
-        self.started = clock()
-        self.last_line_at: float | None = None
-        self.first_step: int | None = None
-
-    def due(self, step: int) -> bool:
-        now = self.clock()
-        if self.first_step is None:
-            self.first_step = step
-        due = (self.last_line_at is None or step >= self.total_steps or step % self.every_steps == 0
-               or now - self.last_line_at >= self.every_s)
-        if due:
-            self.last_line_at = now
-        return due
-
-    def line(self, step: int, metrics: dict) -> str:
-        elapsed = self.clock() - self.started
-        # steps this process ran (a resumed run starts at its checkpoint's step; unknown: from step 1)
-        done = max(step - (self.first_step - 1 if self.first_step is not None else 0), 1)
-        per_step = elapsed / done
-        eta = per_step * max(self.total_steps - step, 0)
-        return (f"step {step}/{self.total_steps} acc {metrics.get('train/success_rate', 0):.2f} "
-                f"reward {metrics.get('train/reward_mean', 0):.2f} lag {metrics.get('async/policy_lag/mean', 0):.2f} "
-                f"| {per_step:.1f} s/step, elapsed {elapsed:.0f} s, eta {eta:.0f} s")
-
-
-def quiet_library_output() -> None:
-    """One progress display per phase: the libraries' own per-load bars ("Loading weights", once per model copy)
-    and huggingface_hub's per-save INFO line (once per checkpoint, as each refreshes the exported model) would
-    interleave with the run's progress lines; warnings and errors still pass."""
-    import logging
-
-    logging.getLogger("huggingface_hub").setLevel(logging.WARNING)
-    try:  # its serialization module names its logger by file path, outside the "huggingface_hub" hierarchy
-        import huggingface_hub.serialization._torch as hf_torch_serialization
-
-        hf_torch_serialization.logger.setLevel(logging.WARNING)
-    except (ImportError, AttributeError):  # pragma: no cover - another huggingface_hub layout: the line stays
-        pass
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-    except ImportError:  # pragma: no cover
-        pass
+def _build_detail(algorithm: str, spec) -> str:
+    """The build phase's first line: what is about to start."""
+    plan = plan_for(algorithm)
+    models = ("policy, V and Q in one backbone" if plan.shared_backbone
+              else "actor and critic" if plan.trains_critic else "actor")
+    if spec.workers == "ray":
+        rollout = spec.rollout
+        return (f"{models} as Ray worker groups ({spec.train_workers} rank{'s' * (spec.train_workers != 1)}), "
+                f"{rollout.replicas} {rollout.engine} rollout replica{'s' * (rollout.replicas != 1)}")
+    return f"{models} in this process, the rollout engine in the driver"
 
 
 def export_trained_policy(cfg: DictConfig, algo, driver, model_path: str, run_dir: Path, steps: int,
@@ -515,44 +469,43 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     own_lock = RunLock.held(run_dir) is None  # the CLI took it before Hydra started; a direct call takes it here
     lock = claim_run_dir(cfg)
     logger = None  # opened once a resume has succeeded: a failed resume leaves metrics.jsonl as it was
-    from tqdm import tqdm
-
-    bar = tqdm(total=driver_cfg.total_steps, desc=f"{algo.name} on {cfg.env.name}", unit="step",
-               disable=None if sys.stderr.isatty() else True, dynamic_ncols=True)
-    # logs (stdout redirected, CI, `| tee`) get plain lines instead of the bar: see ProgressLines
-    progress = ProgressLines(driver_cfg.total_steps) if bar.disable or not sys.stdout.isatty() else None
+    # training's display: a bar on a terminal, plain lines in logs (stdout redirected, CI, `| tee`): progress.Phase
+    training = Phase("training", total=driver_cfg.total_steps, every_steps=10,
+                     detail=f"{algo.name} on {cfg.env.name}, {driver_cfg.total_steps} steps "
+                            f"({cfg.trainer.scheduler} scheduler)")
 
     def on_step(metrics: dict) -> None:
         step = int(metrics["trainer/step"])
         logger.log(metrics, step)
-        bar.update(1)
-        bar.set_postfix(acc=f"{metrics.get('train/success_rate', 0):.2f}",
-                        lag=f"{metrics.get('async/policy_lag/mean', 0):.2f}", n=int(metrics.get("async/group_size", 0)))
-        if progress is not None and progress.due(step):
-            print(progress.line(step, metrics), flush=True)
+        training.update(step, f"acc {metrics.get('train/success_rate', 0):.2f} "
+                              f"reward {metrics.get('train/reward_mean', 0):.2f} "
+                              f"lag {metrics.get('async/policy_lag/mean', 0):.2f}")
 
     started = time.perf_counter()
     try:
-        if cfg.trainer.scheduler == "concurrent":
-            driver = build_concurrent_driver(algo, driver_cfg, spec, on_step=on_step,
-                                             checkpoint_dir=run_dir / "checkpoints")
-        else:
-            driver = build_deterministic_driver(algo, driver_cfg, spec, on_step=on_step,
-                                                checkpoint_dir=run_dir / "checkpoints")
-        if cfg.trainer.get("export_model", True) and hasattr(driver, "on_checkpoint"):
-            # every checkpoint also refreshes outputs/<run>/model, so a run stopped early has a model to evaluate
-            driver.on_checkpoint = lambda path: export_trained_policy(cfg, algo, driver, model_path, run_dir,
-                                                                      int(driver.learner.step), announce=False)
-        resumed = bool(cfg.trainer.resume) and driver.resume()  # falls back past a damaged newest checkpoint
-        if resumed:
-            print(f"resumed from {driver.resumed_from} at step {driver.learner.step}", flush=True)
-            bar.update(driver.learner.step)
-        elif cfg.trainer.resume:
-            print(f"trainer.resume=true: no checkpoint in {run_dir / 'checkpoints'}; starting at step 1", flush=True)
-        # resumed: metrics.jsonl keeps steps 1..step, drops later rows (redone now) and appends from step + 1
-        logger = RunLogger(run_dir, cfg.trainer.project, cfg.trainer.run_name,
-                           OmegaConf.to_container(cfg, resolve=True), use_wandb=cfg.trainer.wandb,
-                           resume_step=driver.learner.step if resumed else None, history=driver.history)
+        # the build phase: the driver and its workers, a resume, the run logger (wandb)
+        with Phase("build", detail=_build_detail(algo.name, spec)):
+            if cfg.trainer.scheduler == "concurrent":
+                driver = build_concurrent_driver(algo, driver_cfg, spec, on_step=on_step,
+                                                 checkpoint_dir=run_dir / "checkpoints")
+            else:
+                driver = build_deterministic_driver(algo, driver_cfg, spec, on_step=on_step,
+                                                    checkpoint_dir=run_dir / "checkpoints")
+            if cfg.trainer.get("export_model", True) and hasattr(driver, "on_checkpoint"):
+                # every checkpoint also refreshes outputs/<run>/model, so a run stopped early has a model to evaluate
+                driver.on_checkpoint = lambda path: export_trained_policy(cfg, algo, driver, model_path, run_dir,
+                                                                          int(driver.learner.step), announce=False)
+            resumed = bool(cfg.trainer.resume) and driver.resume()  # falls back past a damaged newest checkpoint
+            if resumed:
+                print(f"resumed from {driver.resumed_from} at step {driver.learner.step}", flush=True)
+            elif cfg.trainer.resume:
+                print(f"trainer.resume=true: no checkpoint in {run_dir / 'checkpoints'}; starting at step 1",
+                      flush=True)
+            # resumed: metrics.jsonl keeps steps 1..step, drops later rows (redone now) and appends from step + 1
+            logger = RunLogger(run_dir, cfg.trainer.project, cfg.trainer.run_name,
+                               OmegaConf.to_container(cfg, resolve=True), use_wandb=cfg.trainer.wandb,
+                               resume_step=driver.learner.step if resumed else None, history=driver.history)
+
         def stop_at_next_cut(signum, frame) -> None:
             """First signal: finish the step in progress, checkpoint it, stop; a second one stops at once."""
             if driver.stop_reason is None:
@@ -568,7 +521,10 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
         previous = _install_signal_handlers(stop_at_next_cut)
         training_started = time.perf_counter()
         try:
-            history = driver.run()
+            with training:
+                if resumed:
+                    training.start_at(int(driver.learner.step))
+                history = driver.run()
         except RunStopped as stopped:
             signum = getattr(signal.Signals, stopped.reason, signal.SIGINT)
             raise Interrupted(int(signum), stopped.step, stopped.checkpoint, run_dir,
@@ -584,7 +540,6 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
 
         if previous:
             _install_signal_handlers(stop_while_finishing)
-        bar.close()
         summary = summarize(history, driver, cfg.env.name)
         summary["total_wall_s"] = time.perf_counter() - started  # from building the driver; time_s has the rest
         export_started = time.perf_counter()

@@ -24,7 +24,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+#: ``on_step(step, steps, loss)``: called after every optimizer step (1-based ``step`` of ``steps``)
+OnStep = Callable[[int, int, float], None]
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
@@ -245,7 +247,7 @@ def _torch_threads(num_threads: int | None):
         torch.set_num_threads(previous)
 
 
-def _train(model, phases, pad_id, lr, batch_size, rng, warmup_steps, log_every, losses) -> None:
+def _train(model, phases, pad_id, lr, batch_size, rng, warmup_steps, log_every, losses, on_step=None) -> None:
     """AdamW on the assistant-token loss; appends each step's loss to ``losses``.
 
     ``phases`` is ``[(demos, num_steps), ...]``, trained in order under one optimizer and one learning
@@ -275,6 +277,8 @@ def _train(model, phases, pad_id, lr, batch_size, rng, warmup_steps, log_every, 
         losses.append(float(loss.detach()))
         if log_every and (step + 1) % log_every == 0:
             print(f"[sft] step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
+        if on_step is not None:
+            on_step(step + 1, steps, losses[-1])
     model.eval()
 
 
@@ -303,6 +307,7 @@ def sft_warm_start(
     warmup_steps: int = 20,
     log_every: int = 0,
     num_threads: int | None = 1,
+    on_step: OnStep | None = None,
 ) -> dict[str, Any]:
     """Fine-tune the model in ``model_dir`` on noisy demonstrations and save it (+ tokenizer) to ``out_dir``.
 
@@ -324,6 +329,7 @@ def sft_warm_start(
             (the rest look and open a wrong digit); None takes :data:`DEFAULTS`.
         warmup_steps: linear learning-rate warmup.
         log_every: print the loss every this many steps (0: silent).
+        on_step: called after every optimizer step with ``(step, steps, loss)`` (the trainer's progress display).
         num_threads: torch CPU threads while training (restored afterwards); None leaves the setting.
             The default 1 is the fastest for the tiny model: its matrices are too small to split, and
             extra threads only fight over shared cores (2 threads were ~10x slower on a busy 2-core box).
@@ -372,7 +378,7 @@ def sft_warm_start(
     losses: list[float] = []
     with _torch_threads(num_threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        _train(model, phases, pad_id, lr, batch_size, random.Random(seed), warmup_steps, log_every, losses)
+        _train(model, phases, pad_id, lr, batch_size, random.Random(seed), warmup_steps, log_every, losses, on_step)
 
     return _save_warm_start(model, tokenizer, out_dir, demos, losses, started, {
         "env_names": names, "num_demos": len(demos), "noise": noise, "steps": steps, "clean_steps": clean_steps,
@@ -652,6 +658,7 @@ def sft_warm_start_on_tasks(
     warmup_steps: int = 20,
     log_every: int = 0,
     num_threads: int | None = 1,
+    on_step: OnStep | None = None,
 ) -> dict[str, Any]:
     """Warm start on scripted demonstrations of a real task, the same two-phase SFT as :func:`sft_warm_start`.
 
@@ -659,7 +666,8 @@ def sft_warm_start_on_tasks(
     ``env_kwargs`` build the env exactly as the run does (plus ``expert=True`` for ALFWorld's planner).
     The first ``clean_fraction`` of the steps train on clean versions of the demonstrations, the rest on
     the noisy ones. None takes :data:`TASK_DEFAULTS`. Writes the model, tokenizer and ``sft_stats.json``
-    (which adds ``demo_reward_mean`` and, for ReTool, ``demo_code_turns_mean``) to ``out_dir``.
+    (which adds ``demo_reward_mean`` and, for ReTool, ``demo_code_turns_mean``) to ``out_dir``. ``on_step``: as
+    in :func:`sft_warm_start`.
     """
     from async_rl.models.loading import load_causal_lm, load_tokenizer
 
@@ -696,7 +704,7 @@ def sft_warm_start_on_tasks(
     with _torch_threads(num_threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         _train(model, [(clean_demos, clean_steps), (demos, steps - clean_steps)], pad_id, lr, batch_size,
-               random.Random(seed), warmup_steps, log_every, losses)
+               random.Random(seed), warmup_steps, log_every, losses, on_step)
     return _save_warm_start(model, tokenizer, out_dir, demos, losses, started, {
         "env_names": [env_name], "num_demos": len(demos), "noise": noise, "steps": steps, "clean_steps": clean_steps,
         "lr": lr, "batch_size": batch_size, "seed": seed,
