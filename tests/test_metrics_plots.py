@@ -15,6 +15,7 @@ from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.plots import (
     ALGORITHM_PANELS,
     PASS_AT_K_TITLE,
+    RUN_FACTS_TITLE,
     build_eval_figure,
     build_run_figure,
     compare_runs,
@@ -147,7 +148,8 @@ def _rows(steps=24, switch_at=None, lag_scale=1.0, with_critic=True, extra=None)
 def _li2sao_metrics(s):
     return {"li2sao/explained_var_residual": 0.05 * s, "li2sao/rank_acc": 0.5 + 0.01 * s,
             "li2sao/ema_explained_var": 0.04 * s, "li2sao/ema_rank_acc": 0.5 + 0.008 * s,
-            "li2sao/gate_counter": float(max(0, s - 8)), "critic/ev_tokens": 0.02 * s, "critic/ev_terminal": 0.03 * s}
+            "li2sao/gate_counter": float(max(0, s - 8)), "critic/ev_tokens": 0.02 * s, "critic/ev_terminal": 0.03 * s,
+            "async/group_size": 4.0 if s <= 12 else 1.0}  # n_b until the switch (at 12 in these tests), then 1
 
 
 def _sapo_metrics(s):
@@ -175,8 +177,8 @@ def _assert_png(path, min_bytes=10_000):
 
 
 def _panels(fig):
-    """title -> axes of the visible panels (the figure's layout order)."""
-    return {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    """title -> axes of the visible panels (the figure's layout order), the run-facts cell aside."""
+    return {ax.get_title(): ax for ax in fig.axes if ax.get_visible() and ax.get_title() != RUN_FACTS_TITLE}
 
 
 def _texts(ax):
@@ -195,7 +197,8 @@ EXPECTED_PANELS = {
     "lisao": ["training accuracy", "reward", "critic explained variance", "critic value loss", "policy loss", *_TAIL],
     "ppo": ["training accuracy", "reward", "critic explained variance", "critic value loss", "policy loss", *_TAIL],
     "li2sao": ["training accuracy", "reward", "critic explained variance", "Li2SAO residual EV e_k",
-               "Li2SAO rank accuracy a_k", "Li2SAO gate counter", "critic value loss", *_TAIL],
+               "Li2SAO rank accuracy a_k", "Li2SAO gate counter", "critic value loss", "policy loss",
+               "rollout group size", *_TAIL],
     "sapo": ["training accuracy", "reward", "SAPO V explained variance", "SAPO V / Q losses", "policy loss", *_TAIL],
 }
 ALGO_EXTRA = {"grpo": None, "lisao": None, "ppo": None, "li2sao": _li2sao_metrics, "sapo": _sapo_metrics}
@@ -449,7 +452,38 @@ def test_units_panels_and_the_explained_variance_note():
     solved = [{**r, "train/success_rate": 1.0} for r in rows]
     fig = build_run_figure(solved, "lisao", {})
     assert "returns barely vary" in _texts(_panels(fig)["critic explained variance"])
-    assert sum(ax.get_visible() for ax in fig.axes) == len(ALGORITHM_PANELS["lisao"])
+    assert sum(ax.get_visible() for ax in fig.axes) == len(ALGORITHM_PANELS["lisao"]) + 1  # + the run-facts cell
+    _close(fig)
+
+
+@pytest.mark.parametrize("algorithm", sorted(EXPECTED_PANELS))
+@pytest.mark.parametrize("with_eval", [False, True])
+def test_the_grid_has_no_empty_cell_and_the_spare_cells_say_what_the_run_was(algorithm, with_eval):
+    """Issue 38, item 6: every cell of training.png shows something. Panels fill the grid row by row; the rest of
+    the last row is one cell of run facts (algorithm, env, model, steps, seed, batch, learning rates, switch)."""
+    rows = _rows(with_critic=algorithm in ("lisao", "ppo", "li2sao"), extra=ALGO_EXTRA[algorithm],
+                 switch_at=12 if algorithm == "li2sao" else None)
+    config = {"algorithm": {"name": algorithm, "train_batch_trajectories": 16, "group_size": 4, "actor_lr": 1e-6},
+              "env": {"name": "toy_keys"}, "model": {"dir": "outputs/models/tiny-toy_keys"}, "seed": 3,
+              "trainer": {"scheduler": "concurrent"}}
+    fig = build_run_figure(rows, algorithm, config, pass_at_k={"k": [1, 2], "pass": [0.4, 0.6]} if with_eval else None)
+    assert all(ax.get_visible() for ax in fig.axes)
+    n_panels = len(EXPECTED_PANELS[algorithm]) + with_eval
+    facts = [ax for ax in fig.axes if ax.get_title() == RUN_FACTS_TITLE]
+    assert len(fig.axes) == n_panels + len(facts)
+    if n_panels % 3 == 0:
+        assert facts == []
+    else:  # one cell spanning the rest of the last row
+        (ax,) = facts
+        spec = ax.get_subplotspec()
+        assert (spec.rowspan.start, spec.colspan.start, spec.colspan.stop) == ((n_panels - 1) // 3, n_panels % 3, 3)
+        text = _texts(ax)
+        for fact in ("algorithm: " + algorithm, "env: toy_keys", "model: outputs/models/tiny-toy_keys",
+                     "steps logged: 24 (to step 24)", "seed: 3", "batch: 16 trajectories, group size 4",
+                     "learning rates: actor 1e-06", "scheduler: concurrent"):
+            assert fact in text, (fact, text)
+        if algorithm == "li2sao":
+            assert "switch @ 12" in text
     _close(fig)
 
 

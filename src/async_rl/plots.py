@@ -84,6 +84,8 @@ LI2SAO_RANK = Panel("Li2SAO rank accuracy a_k",
                     "fraction of pairs", (Threshold("η_a", "li2sao/eta_a", "eta_a", 0.65),))
 LI2SAO_GATE = Panel("Li2SAO gate counter", (Series(("li2sao/gate_counter",), "consecutive ready steps"),), "steps",
                     (Threshold("M (patience)", None, "patience", 10),))
+GROUP_SIZE = Panel("rollout group size", (Series(("async/group_size",), "n (Li2SAO: n_b, then 1 after the switch)"),),
+                   "responses per prompt")
 SAPO_EV = Panel("SAPO V explained variance", (Series(("sapo/explained_var",), "V vs turn targets"),),
                 "1 - Var(y-V)/Var(y)")
 SAPO_LOSSES = Panel("SAPO V / Q losses", (Series(("sapo/v_loss",), "V loss"), Series(("sapo/q_loss",), "Q loss")),
@@ -94,8 +96,8 @@ ALGORITHM_PANELS: dict[str, tuple[Panel, ...]] = {
     "grpo": (ACCURACY, REWARD, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
     "lisao": (ACCURACY, REWARD, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
     "ppo": (ACCURACY, REWARD, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
-    "li2sao": (ACCURACY, REWARD, CRITIC_EV, LI2SAO_EV, LI2SAO_RANK, LI2SAO_GATE, CRITIC_LOSS, LAG, OFF_POLICY,
-               MISMATCH),
+    "li2sao": (ACCURACY, REWARD, CRITIC_EV, LI2SAO_EV, LI2SAO_RANK, LI2SAO_GATE, CRITIC_LOSS, POLICY_LOSS, GROUP_SIZE,
+               LAG, OFF_POLICY, MISMATCH),
     "sapo": (ACCURACY, REWARD, SAPO_EV, SAPO_LOSSES, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
 }
 PASS_AT_K_TITLE = "pass@k (eval)"
@@ -443,8 +445,9 @@ def build_run_figure(rows: Sequence[Mapping], algorithm: Optional[str] = None,
     cols = min(PANEL_COLUMNS, n_panels)
     nrows = math.ceil(n_panels / cols)
     plt = _pyplot()
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.9 * nrows), squeeze=False, layout="constrained")
-    flat = list(axes.flat)
+    fig = plt.figure(figsize=(5.2 * cols, 3.9 * nrows), layout="constrained")
+    grid = fig.add_gridspec(nrows, cols)
+    flat = [fig.add_subplot(grid[i // cols, i % cols]) for i in range(n_panels)]
     switch = switch_step(rows)
     label = _switch_label(run_dir, switch)
     steps = [int(x) for x in (_step_of(row) for row in rows) if x is not None]
@@ -453,10 +456,60 @@ def build_run_figure(rows: Sequence[Mapping], algorithm: Optional[str] = None,
         _draw_panel(ax, panel, rows, config, switch, label, x_range)
     if pass_at_k is not None:
         _pass_at_k_bars(flat[len(panels)], {"mean over sets": pass_at_k})
-    for ax in flat[n_panels:]:
-        ax.set_visible(False)
+    if n_panels % cols:  # the rest of the last row: what the run was, in one cell (no empty cells)
+        _run_facts_cell(fig.add_subplot(grid[nrows - 1, n_panels % cols:]), rows, algorithm, config, switch, label)
     fig.suptitle(title or f"{algorithm}", fontsize=11)
     return fig
+
+
+RUN_FACTS_TITLE = "run"
+
+
+def run_facts(rows: Sequence[Mapping], algorithm: str, config: Mapping[str, Any], switch: Optional[int],
+              switch_label: Optional[str] = None) -> list[str]:
+    """What the run was, for the figure's spare cell: algorithm, env, model, steps, seed, the batch and its
+    learning rates, the scheduler, and (Li2SAO) where the switch happened. Keys the config lacks are left out."""
+    def get(path: str):
+        node: Any = config
+        for part in path.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    steps = [int(x) for x in (_step_of(row) for row in rows) if x is not None]
+    facts = [f"algorithm: {algorithm}"]
+    if get("env.name"):
+        facts.append(f"env: {get('env.name')}")
+    model = get("model.packaged") or get("model.dir")
+    if model:
+        facts.append(f"model: {model}")
+    facts.append(f"steps logged: {len(steps)}" + (f" (to step {max(steps)})" if steps else ""))
+    if get("seed") is not None:
+        facts.append(f"seed: {get('seed')}")
+    batch = get("algorithm.train_batch_trajectories")
+    if batch is not None:
+        group = get("algorithm.group_size")
+        facts.append(f"batch: {batch} trajectories" + (f", group size {group}" if group is not None else ""))
+    rates = [f"{name} {get(f'algorithm.{key}'):g}" for name, key in (("actor", "actor_lr"), ("critic", "critic_lr"))
+             if isinstance(get(f"algorithm.{key}"), (int, float))]
+    if rates:
+        facts.append("learning rates: " + ", ".join(rates))
+    if get("trainer.scheduler"):
+        facts.append(f"scheduler: {get('trainer.scheduler')}")
+    if algorithm == "li2sao":
+        facts.append(switch_label or (f"switch @ {switch}" if switch is not None else "switch: not in this run"))
+    return facts
+
+
+def _run_facts_cell(ax, rows, algorithm, config, switch, switch_label) -> None:
+    ax.text(0.02, 0.98, "\n".join(run_facts(rows, algorithm, config, switch, switch_label)), ha="left", va="top",
+            transform=ax.transAxes, fontsize=8, family="monospace")
+    ax.set_title(RUN_FACTS_TITLE, fontsize=10)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
 
 
 def plot_run(run_dir: str | Path) -> Path:
