@@ -485,3 +485,73 @@ def test_two_rank_ray_run_killed_after_a_checkpoint_resumes_every_step_exactly_o
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # the resumed run continued the policy: versions count on from the checkpoint, not from 0
     assert [r["trainer/policy_version"] for r in rows] == [1, 2, 3, 4, 5]
+
+
+# ------------------------------------------------------------------------------------------------------
+# end to end: the same Ray run stopped with SIGINT (Ctrl-C), then resumed (issue 38, item 1)
+# ------------------------------------------------------------------------------------------------------
+SIGNALLER = textwrap.dedent("""
+    import os, signal, sys
+    from async_rl import tracking
+    from async_rl.train import main
+
+    at = int(os.environ["SIGNAL_AT_STEP"])
+    original = tracking.RunLogger.log
+
+    def log(self, metrics, step):
+        original(self, metrics, step)
+        if step == at:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C in the terminal: the driver gets it
+
+    tracking.RunLogger.log = log
+    main(sys.argv[1:])
+""")
+RAY_PROCESS_NAMES = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard", "log_monitor")
+
+
+def _ray_processes() -> set[int]:
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            text = " ".join([proc.info["name"] or ""] + (proc.info["cmdline"] or []))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if any(name in text for name in RAY_PROCESS_NAMES):
+            found.add(proc.info["pid"])
+    return found
+
+
+def test_ctrl_c_of_a_ray_run_checkpoints_shuts_ray_down_and_resumes(tmp_path):
+    """LiSAO on Ray (2 train ranks for actor and critic, one hf replica, concurrent scheduler). SIGINT right after
+    step 3 is logged: the run finishes that step, writes a sharded checkpoint of it, prints one line and exits 130,
+    with every Ray process it started gone; ``trainer.resume=true`` then trains steps 4 and 5 from it."""
+    import time
+
+    before = _ray_processes()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "SIGNAL_AT_STEP": "3"}
+    args = _overrides(tmp_path, "ctrl-c", "trainer.scheduler=concurrent")
+    stopped = subprocess.run([sys.executable, "-c", SIGNALLER, *args], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=900)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr + stopped.stdout
+    run_dir = tmp_path / "out" / "ctrl-c"
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted by SIGINT at step 3; checkpoint {run_dir / 'checkpoints' / 'step_000003.pt'}; "
+                           "resume with: python -m async_rl.train ") and last.endswith(" trainer.resume=true")
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 3]
+    state, problem = read_checkpoint(run_dir / "checkpoints" / "step_000003.pt")
+    assert problem is None and state["learner"]["model_state"] == "sharded" and state["learner"]["step"] == 3
+    assert _steps(run_dir) == [1, 2, 3]
+    deadline = time.monotonic() + 30
+    while _ray_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _ray_processes() - before, "Ray processes of the stopped run are still running"
+
+    resumed = _cli(_overrides(tmp_path, "ctrl-c", "trainer.scheduler=concurrent", "trainer.resume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_000003.pt at step 3" in resumed.stdout
+    assert _steps(run_dir) == [1, 2, 3, 4, 5]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer/policy_version"] for r in rows] == [1, 2, 3, 4, 5]

@@ -39,14 +39,21 @@ class AlgorithmPlan:
     bootstrap_loss: Optional[str] = None  # verl policy loss before the switch; None = algorithm.policy_loss
     single_loss: Optional[str] = None  # verl policy loss after it; None = algorithm.policy_loss
     shared_backbone: bool = False  # SAPO: policy, V and Q in one model, trained by its own joint loss (spec §5)
+    # what the estimator reads of the config (unread_keys refuses a setting it never reads)
+    discounted: bool = True  # reads algorithm.gamma (GRPO's group advantage uses the terminal reward only)
+    length_adaptive_lambda: bool = False  # token GAE with λ = 1 - 1/(α·l) (spec §3): reads gae_alpha/gae_lambda
+    absolute_value_loss_only: bool = False  # the critic fits Eq. 5 absolute returns only: value_clip needs
+    #                                         algorithm.clip_absolute_value_loss (Li2SAO's bootstrap: Eq. 10)
 
 
 ALGORITHM_PLANS: dict[str, AlgorithmPlan] = {
-    "grpo": AlgorithmPlan("grpo_group", "grpo_group", needs_groups=True),
-    "lisao": AlgorithmPlan("sao_gae", "sao_gae", trains_critic=True),
+    "grpo": AlgorithmPlan("grpo_group", "grpo_group", needs_groups=True, discounted=False),
+    "lisao": AlgorithmPlan("sao_gae", "sao_gae", trains_critic=True, length_adaptive_lambda=True,
+                           absolute_value_loss_only=True),
     "li2sao": AlgorithmPlan("li2sao_group", "sao_gae", trains_critic=True, needs_groups=True, gated=True,
-                            bootstrap_loss="dis_clip", single_loss="dis"),
-    "ppo": AlgorithmPlan("sao_gae", "sao_gae", trains_critic=True),
+                            bootstrap_loss="dis_clip", single_loss="dis", length_adaptive_lambda=True),
+    "ppo": AlgorithmPlan("sao_gae", "sao_gae", trains_critic=True, length_adaptive_lambda=True,
+                         absolute_value_loss_only=True),
     "sapo": AlgorithmPlan("sapo_turn", "sapo_turn", shared_backbone=True),
 }
 
@@ -223,30 +230,36 @@ def unread_keys(cfg: "AlgorithmConfig") -> dict[str, tuple[Any, str]]:
     gate, recipes/retool_tiny.yaml's critic warm-up), and no reader of this algorithm can be mistaken for them."""
     default = AlgorithmConfig()
     out: dict[str, tuple[Any, str]] = {}
+    plan = plan_for(cfg.name)
 
     def unread(keys, why, allowed=None):
         for key in keys:
             out[key] = (_dotted(default, key) if allowed is None else allowed, why)
 
     unread(["entropy_coef"], "no entropy bonus: spec §3 sets the coefficient to 0"
-           + ("; SAPO's entropy weight is algorithm.sapo_c_h" if cfg.name == "sapo" else ""))
-    if cfg.name == "grpo":
-        unread(["gamma"], "the group advantage uses the terminal reward only")
-    if cfg.name == "sapo":
+           + ("; SAPO's entropy weight is algorithm.sapo_c_h" if plan.shared_backbone else ""))
+    if not plan.discounted:
+        unread(["gamma"], f"{cfg.name}'s advantage uses the terminal reward only")
+    # the policy losses the run uses: the plan's own (before/after a switch), else algorithm.policy_loss
+    losses = {plan.bootstrap_loss or cfg.policy_loss, plan.single_loss or cfg.policy_loss}
+    fixed_losses = plan.bootstrap_loss is not None or plan.single_loss is not None
+    dis_losses = {"dis", "dis_clip"}
+    if plan.shared_backbone:
         why = "SAPO's loss is its own: token-level PPO clip with ε = algorithm.clip.clip_ratio_low, turn means"
         unread(["policy_loss", "loss_agg_mode", "clip.clip_ratio_high", "dis.low", "dis.high"], why)
-    elif cfg.name == "li2sao":
-        unread(["policy_loss"], "Li2SAO uses dis_clip in the bootstrap and dis after the switch (spec §4)",
-               allowed="dis_clip")
-    elif cfg.policy_loss in ("ppo_clip", "vanilla"):
+    elif fixed_losses:
+        allowed = plan.bootstrap_loss or plan.single_loss
+        unread(["policy_loss"], f"{cfg.name} uses {plan.bootstrap_loss or cfg.policy_loss} before its switch and "
+               f"{plan.single_loss or cfg.policy_loss} after it (spec §4)", allowed=allowed)
+    elif not losses & dis_losses:
         unread(["dis.low", "dis.high"], f"policy_loss={cfg.policy_loss} has no DIS mask")
-    if cfg.name == "sapo" or (cfg.name != "li2sao" and cfg.policy_loss in ("ppo_clip", "vanilla")):
+    if plan.shared_backbone or not losses & dis_losses:
         unread(["kl_warn_kept_threshold"], "only the DIS losses (dis, dis_clip) report actor/dis_kept_kl")
-    elif cfg.policy_loss == "dis":
+    elif losses == {"dis"}:
         unread(["clip.clip_ratio_low", "clip.clip_ratio_high"], "policy_loss=dis has no ratio clip (spec §3)")
-    if cfg.name in ("lisao", "ppo") and not cfg.clip_absolute_value_loss:
+    if plan.absolute_value_loss_only and not cfg.clip_absolute_value_loss:
         unread(["value_clip"], "Eq. 5's absolute-return loss is unclipped; set clip_absolute_value_loss=true")
-    if cfg.gae_lambda is not None and cfg.name != "grpo" and cfg.name != "sapo":
+    if cfg.gae_lambda is not None and plan.length_adaptive_lambda:
         unread(["gae_alpha"], "a fixed algorithm.gae_lambda replaces the length-adaptive λ")
     return out
 

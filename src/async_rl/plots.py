@@ -468,7 +468,7 @@ RUN_FACTS_TITLE = "run"
 def run_facts(rows: Sequence[Mapping], algorithm: str, config: Mapping[str, Any], switch: Optional[int],
               switch_label: Optional[str] = None) -> list[str]:
     """What the run was, for the figure's spare cell: algorithm, env, model, steps, seed, the batch and its
-    learning rates, the scheduler, and (Li2SAO) where the switch happened. Keys the config lacks are left out."""
+    learning rates, the scheduler, and (a run that logs a readiness gate: Li2SAO) where the switch happened. Keys the config lacks are left out."""
     def get(path: str):
         node: Any = config
         for part in path.split("."):
@@ -497,7 +497,7 @@ def run_facts(rows: Sequence[Mapping], algorithm: str, config: Mapping[str, Any]
         facts.append("learning rates: " + ", ".join(rates))
     if get("trainer.scheduler"):
         facts.append(f"scheduler: {get('trainer.scheduler')}")
-    if algorithm == "li2sao":
+    if any("li2sao/gate_counter" in row for row in rows):  # a gated run (it logs its gate), whatever its name
         facts.append(switch_label or (f"switch @ {switch}" if switch is not None else "switch: not in this run"))
     return facts
 
