@@ -13,7 +13,7 @@ from async_rl.algos.metrics import explained_variance, policy_lag_stats
 from async_rl.driver.batch import collate
 from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.plots import (
-    ALGORITHM_PANELS,
+    PANELS,
     PASS_AT_K_TITLE,
     RUN_FACTS_TITLE,
     build_eval_figure,
@@ -206,7 +206,6 @@ ALGO_EXTRA = {"grpo": None, "lisao": None, "ppo": None, "li2sao": _li2sao_metric
 
 @pytest.mark.parametrize("algorithm", sorted(EXPECTED_PANELS))
 def test_run_figure_has_the_panels_of_its_algorithm(algorithm):
-    assert set(ALGORITHM_PANELS) == set(EXPECTED_PANELS)
     rows = _rows(with_critic=algorithm in ("lisao", "ppo", "li2sao"), extra=ALGO_EXTRA[algorithm],
                  switch_at=12 if algorithm == "li2sao" else None)
     assert infer_algorithm(rows) == ("lisao" if algorithm == "ppo" else algorithm)  # ppo logs what lisao logs
@@ -217,6 +216,18 @@ def test_run_figure_has_the_panels_of_its_algorithm(algorithm):
         assert ax.lines, f"{title}: the synthetic run logs its metrics, so the panel must draw them"
         assert "not logged" not in _texts(ax), title
     _close(fig)
+
+
+def test_panels_follow_what_the_run_logged_not_the_algorithms_name():
+    """Issue 35, item 2: an algorithm of one's own (no built-in name) that logs a critic gets the critic's panels; a
+    run named li2sao that logged no gate metrics shows none of the gate's panels."""
+    own = build_run_figure(_rows(with_critic=True), "reinforce_with_critic", {"algorithm": {"name": "reinforce"}})
+    assert list(_panels(own)) == EXPECTED_PANELS["lisao"]
+    _close(own)
+    named = build_run_figure(_rows(with_critic=False), "li2sao", {"algorithm": {"name": "li2sao"}})
+    assert list(_panels(named)) == EXPECTED_PANELS["grpo"]
+    _close(named)
+    assert PANELS[0].title == "training accuracy" and len({p.title for p in PANELS}) == len(PANELS)
 
 
 def test_sapo_figure_reads_sapo_metrics_not_the_critic():
@@ -232,17 +243,19 @@ def test_sapo_figure_reads_sapo_metrics_not_the_critic():
 
 
 def test_panel_without_data_shows_only_its_message():
-    # Li2SAO run with a switch but no li2sao/* readiness metrics and no critic loss: the panels say so, and
-    # neither the switch line nor a threshold crosses the message
-    rows = _rows(steps=6, switch_at=3, with_critic=False)
+    # a panel every run shows (policy loss, lag) on a run that did not log its metrics (an older run, or an algorithm
+    # of one's own): the panel says so, and neither the switch line nor a threshold crosses the message. Panels of
+    # optional parts (the gate, the critic) are left out when their metrics are missing.
+    rows = [{k: v for k, v in r.items() if k not in ("actor/pg_loss", "async/policy_lag/mean", "async/policy_lag/max")}
+            for r in _rows(steps=6, switch_at=3, with_critic=False)]
     fig = build_run_figure(rows, "li2sao", {})
     panels = _panels(fig)
-    for title in ("Li2SAO residual EV e_k", "Li2SAO rank accuracy a_k", "Li2SAO gate counter", "critic value loss",
-                  "critic explained variance"):
+    for title in ("policy loss", "policy lag"):
         ax = panels[title]
         assert len(ax.lines) == 0 and ax.get_legend() is None, title
         assert "not logged in this run" in _texts(ax), title
         assert list(ax.get_xticks()) == [] and list(ax.get_yticks()) == [], title
+    assert not {"Li2SAO gate counter", "critic value loss", "critic explained variance"} & set(panels)
     acc = panels["training accuracy"]
     assert [l.get_label() for l in acc.lines][-1] == "switch @ 3"
     assert list(acc.lines[-1].get_xdata()) == [3, 3]
@@ -452,7 +465,7 @@ def test_units_panels_and_the_explained_variance_note():
     solved = [{**r, "train/success_rate": 1.0} for r in rows]
     fig = build_run_figure(solved, "lisao", {})
     assert "returns barely vary" in _texts(_panels(fig)["critic explained variance"])
-    assert sum(ax.get_visible() for ax in fig.axes) == len(ALGORITHM_PANELS["lisao"]) + 1  # + the run-facts cell
+    assert sum(ax.get_visible() for ax in fig.axes) == len(EXPECTED_PANELS["lisao"]) + 1  # + the run-facts cell
     _close(fig)
 
 

@@ -1,6 +1,6 @@
 """Paper-style figures from a run's ``metrics.jsonl`` and an evaluation's ``pass_at_k.json``.
 
-``training.png`` (one per run; panels chosen by the run's algorithm, :data:`ALGORITHM_PANELS`; the Li2SAO
+``training.png`` (one per run; the panels whose metrics the run logged, :func:`panels_for`; the Li2SAO
 switch dashed; a pass@k panel once evaluated), ``comparison.png`` (several runs, written to the first run
 directory) and ``eval.png`` (written by ``python -m async_rl.eval``). Smoothed curves use :func:`trailing_ema`
 (span 10, one-sided: a point uses that step and earlier ones only, as a live dashboard would), drawn over the
@@ -54,22 +54,31 @@ class Panel:
     series: tuple[Series, ...]
     ylabel: str = ""
     thresholds: tuple[Threshold, ...] = field(default_factory=tuple)
+    # shown when the run logged any of these keys (None: its series' keys; () : every run, "not logged" when empty)
+    shown_if_logged: Optional[tuple[str, ...]] = None
+
+    def shown_for(self, logged: set[str]) -> bool:
+        keys = self.shown_if_logged if self.shown_if_logged is not None else \
+            tuple(key for series in self.series for key in series.keys)
+        return not keys or any(key in logged for key in keys)
 
 
 ACCURACY = Panel("training accuracy", (Series(("train/success_rate",), "success rate", smooth=True),),
-                 "fraction of trajectories solved")
+                 "fraction of trajectories solved", shown_if_logged=())
 # lag (versions) and the off-policy ratio (a fraction) have different units: one panel each
 LAG = Panel("policy lag", (Series(("async/policy_lag/mean",), "mean lag"), Series(("async/policy_lag/max",), "max lag")),
-            "versions behind the trainer")
+            "versions behind the trainer", shown_if_logged=())
 OFF_POLICY = Panel("off-policy tokens", (Series(("async/off_policy_token_ratio",), "lag > 1"),),
-                   "fraction of model tokens")
+                   "fraction of model tokens", shown_if_logged=())
 # the env's own reward (WebShop: the purchase score in [0, 1]; success is the accuracy panel's score == 1)
 REWARD = Panel("reward", (Series(("train/reward_mean",), "mean reward per trajectory", smooth=True),),
-               "env reward (+ shaping)")
+               "env reward (+ shaping)", shown_if_logged=())
 # measured on tokens sampled at the trainer's own version only: a step with none logs 0, which is not a measurement
 MISMATCH = Panel("rollout / trainer mismatch", (Series(("rollout/mismatch_kl",), "KL(rollout || trainer)",
-                                                       count_key="rollout/mismatch_tokens"),), "nats per token")
-POLICY_LOSS = Panel("policy loss", (Series(("actor/pg_loss",), "actor/pg_loss"),), "loss (advantage-weighted)")
+                                                       count_key="rollout/mismatch_tokens"),), "nats per token",
+                 shown_if_logged=())
+POLICY_LOSS = Panel("policy loss", (Series(("actor/pg_loss",), "actor/pg_loss"),), "loss (advantage-weighted)",
+                    shown_if_logged=())
 CRITIC_EV = Panel("critic explained variance",
                   (Series(("critic/ev_tokens", "critic/explained_var"), "all model tokens"),
                    Series(("critic/ev_terminal",), "last token (terminal)")), "1 - Var(G-V)/Var(G)")
@@ -84,22 +93,27 @@ LI2SAO_RANK = Panel("Li2SAO rank accuracy a_k",
                     "fraction of pairs", (Threshold("η_a", "li2sao/eta_a", "eta_a", 0.65),))
 LI2SAO_GATE = Panel("Li2SAO gate counter", (Series(("li2sao/gate_counter",), "consecutive ready steps"),), "steps",
                     (Threshold("M (patience)", None, "patience", 10),))
+# every run logs its group size; it moves only where a readiness gate switches it (Li2SAO)
 GROUP_SIZE = Panel("rollout group size", (Series(("async/group_size",), "n (Li2SAO: n_b, then 1 after the switch)"),),
-                   "responses per prompt")
+                   "responses per prompt", shown_if_logged=("li2sao/gate_counter",))
 SAPO_EV = Panel("SAPO V explained variance", (Series(("sapo/explained_var",), "V vs turn targets"),),
                 "1 - Var(y-V)/Var(y)")
 SAPO_LOSSES = Panel("SAPO V / Q losses", (Series(("sapo/v_loss",), "V loss"), Series(("sapo/q_loss",), "Q loss")),
                     "loss")
 
-#: the panels of ``training.png`` per algorithm (a pass@k panel is appended when an evaluation exists)
-ALGORITHM_PANELS: dict[str, tuple[Panel, ...]] = {
-    "grpo": (ACCURACY, REWARD, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
-    "lisao": (ACCURACY, REWARD, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
-    "ppo": (ACCURACY, REWARD, CRITIC_EV, CRITIC_LOSS, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
-    "li2sao": (ACCURACY, REWARD, CRITIC_EV, LI2SAO_EV, LI2SAO_RANK, LI2SAO_GATE, CRITIC_LOSS, POLICY_LOSS, GROUP_SIZE,
-               LAG, OFF_POLICY, MISMATCH),
-    "sapo": (ACCURACY, REWARD, SAPO_EV, SAPO_LOSSES, POLICY_LOSS, LAG, OFF_POLICY, MISMATCH),
-}
+#: the panels of ``training.png``, in order: a run shows those whose metrics it logged (:func:`panels_for`); a
+#: pass@k panel is appended when an evaluation exists. No algorithm name decides: an algorithm of one's own that
+#: logs ``critic/value_loss`` gets the critic's panels.
+PANELS: tuple[Panel, ...] = (ACCURACY, REWARD, CRITIC_EV, SAPO_EV, LI2SAO_EV, LI2SAO_RANK, LI2SAO_GATE, CRITIC_LOSS,
+                             SAPO_LOSSES, POLICY_LOSS, GROUP_SIZE, LAG, OFF_POLICY, MISMATCH)
+
+
+def panels_for(rows: Sequence[Mapping]) -> tuple[Panel, ...]:
+    """The panels of a run's ``training.png``: every panel of :data:`PANELS` whose metrics the run logged."""
+    logged = {key for row in rows for key in row}
+    return tuple(panel for panel in PANELS if panel.shown_for(logged))
+
+
 PASS_AT_K_TITLE = "pass@k (eval)"
 PANEL_COLUMNS = 3
 
@@ -138,7 +152,7 @@ def infer_algorithm(rows: Sequence[Mapping], config: Optional[Mapping[str, Any]]
     """``config["algorithm"]["name"]`` when known, else from the metric prefixes the run logged."""
     name = ((config or {}).get("algorithm") or {}).get("name") if isinstance((config or {}).get("algorithm"),
                                                                               Mapping) else None
-    if name in ALGORITHM_PANELS:
+    if name:
         return str(name)
     keys = {key for row in rows for key in row}
     if any(key.startswith("sapo/") for key in keys):
@@ -431,16 +445,15 @@ def build_run_figure(rows: Sequence[Mapping], algorithm: Optional[str] = None,
 
     Args:
         rows: the run's metric rows (``metrics.jsonl`` lines or a driver's history).
-        algorithm: selects :data:`ALGORITHM_PANELS`; None = :func:`infer_algorithm`.
+        algorithm: named in the title and the run-facts cell; None = :func:`infer_algorithm`. The panels are
+            those whose metrics the run logged (:func:`panels_for`), whatever the algorithm.
         config: the run's config (thresholds fall back to ``algorithm.gate.*``); None = ``{}``.
         pass_at_k: ``{"k", "pass"}`` of an evaluation: adds a bar panel.
         run_dir: where ``summary.json`` says whether the switch was forced (optional).
     """
     config = dict(config or {})
     algorithm = algorithm or infer_algorithm(rows, config)
-    if algorithm not in ALGORITHM_PANELS:
-        raise ValueError(f"algorithm must be one of {sorted(ALGORITHM_PANELS)}, got {algorithm!r}")
-    panels = ALGORITHM_PANELS[algorithm]
+    panels = panels_for(rows)
     n_panels = len(panels) + (pass_at_k is not None)
     cols = min(PANEL_COLUMNS, n_panels)
     nrows = math.ceil(n_panels / cols)
@@ -513,7 +526,7 @@ def _run_facts_cell(ax, rows, algorithm, config, switch, switch_label) -> None:
 
 
 def plot_run(run_dir: str | Path) -> Path:
-    """Write ``<run_dir>/training.png``: the panels of the run's algorithm (:func:`build_run_figure`), plus
+    """Write ``<run_dir>/training.png``: the panels of what the run logged (:func:`build_run_figure`), plus
     pass@k when the run directory or its ``eval/`` holds ``pass_at_k.json``."""
     run_dir = Path(run_dir)
     rows = load_metrics(run_dir)
