@@ -23,7 +23,7 @@ from async_rl.driver.episode import ChatFormatter, Episode, EpisodeLimits
 from async_rl.driver.prompts import PromptStream
 from async_rl.driver.trajectory import Trajectory
 from async_rl.envs.base import Env, EnvCall, EnvCallPool, close_late_env, outcome_of
-from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
+from async_rl.rollout.base import GenerationOutput, GenerationRequest, RolloutService, SamplingParams
 
 # async mode, nothing to generate: how long one advance() may wait for the oldest env call before returning
 _IDLE_ENV_WAIT_S = 0.005
@@ -56,7 +56,7 @@ class EnvsKeepFailing(RuntimeError):
 class RolloutManager:
     def __init__(
         self,
-        engine,
+        engine: RolloutService,
         env_factory: Callable[[], Env],
         formatter: ChatFormatter,
         sampling: SamplingParams,

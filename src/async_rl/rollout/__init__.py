@@ -11,6 +11,7 @@ _EXPORTS = {
     "GenerationOutput": "async_rl.rollout.base",
     "GenerationRequest": "async_rl.rollout.base",
     "RolloutEngine": "async_rl.rollout.base",
+    "RolloutService": "async_rl.rollout.base",
     "SamplingParams": "async_rl.rollout.base",
     "WeightsLike": "async_rl.rollout.base",
     "HFRolloutEngine": "async_rl.rollout.hf_engine",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -153,3 +153,51 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def resume(self) -> None:
         """Undo :meth:`pause`."""
+
+
+@runtime_checkable
+class RolloutService(Protocol):
+    """The rollout contract: everything the driver calls on its rollout (``driver/rollout_manager.py`` streams
+    episodes through it, ``driver/core.py`` and the schedulers publish weights and checkpoint it). Implemented
+    alike by the in-process :class:`~async_rl.rollout.hf_engine.HFRolloutEngine` and by
+    :class:`~async_rl.rollout.client.ReplicaPool` (replica servers, hf or vLLM, on Ray);
+    ``tests/test_rollout_contract.py`` runs the driver against each through a guard that refuses anything else.
+
+    Optional capabilities, read with ``getattr`` and a default: ``takes_version_only`` / ``accepts_published_weights``
+    (how weights travel: ``rollout/weight_sync.py``), ``metrics()`` (per-step rollout metrics), ``max_positions``
+    (the context limit an episode is cut at).
+    """
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights new tokens are sampled with."""
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any request is still generating (or held)."""
+
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> None:
+        """Start ``requests`` (ids unique among the unfinished ones)."""
+
+    def step(self, max_tokens: Optional[int] = None) -> list[GenerationOutput]:
+        """Advance generation (about ``max_tokens`` tokens a request where the engine steps in chunks); the requests
+        that finished since the last call."""
+
+    def abort(self, request_ids: Optional[Iterable[Hashable]] = None) -> list[GenerationOutput]:
+        """Stop these requests (None: all); each comes back once, ``finish_reason="aborted"``, with its tokens."""
+
+    def update_weights(self, weights: Any, version: int) -> None:
+        """Take the policy of ``version`` (what ``weight_sync.weights_to_publish`` made for this rollout); unfinished
+        requests keep their tokens and go on under the new weights from the next token boundary."""
+
+    def export_inflight(self) -> list[dict]:
+        """The unfinished requests with their kept prefixes (token ids, log-probs, versions), for a checkpoint."""
+
+    def import_inflight(self, states: list[dict]) -> None:
+        """Resubmit :meth:`export_inflight`'s requests, each continuing from its prefix (a resumed run)."""
+
+
+#: the members of :class:`RolloutService`, and the optional capabilities its users read with ``getattr``
+ROLLOUT_CONTRACT: tuple[str, ...] = ("policy_version", "has_unfinished", "add_requests", "step", "abort",
+                                     "update_weights", "export_inflight", "import_inflight")
+ROLLOUT_OPTIONAL: tuple[str, ...] = ("takes_version_only", "accepts_published_weights", "metrics", "max_positions")
