@@ -385,6 +385,10 @@ def test_live_groups_whose_oldest_token_exceeds_the_cap_are_aborted_and_counted(
     ("rollout.mode=hybrid rollout.replicas=2", "rollout.replicas=2 but trainer.train_workers=1; set them equal"),
     ("rollout.on_replica_failure=retry", "valid choices: continue, stop"),
     ("+rollout.replica=2", "rollout.replica is not a rollout setting; valid keys: engine, replicas"),
+    ("rollout.replicas=2 rollout.replica_resources=[{rollout_node:1}]",
+     r"give one mapping \(or null\) per replica, 2 in all"),
+    ("rollout.replica_resources=[{rollout_node:0}]", r"replica_resources\[0\].*amounts > 0, or null"),
+    ("rollout.replica_resources=[{rollout_node:1}] rollout.mode=hybrid", "pins standalone hf or vllm replicas"),
 ])
 def test_bad_rollout_settings_fail_before_anything_starts(override, message, tmp_path):
     from hydra import compose, initialize_config_dir
@@ -593,6 +597,15 @@ def test_an_engine_error_fails_its_request_as_an_engine_fault_never_resubmitted_
     episode = Episode(None, {"id": 0}, None, sampling, EpisodeLimits(), "bad", "g", 1, 0)
     assert episode.take_output(bad) is None and episode.finished
     assert episode.trajectory.aborted and episode.trajectory.abort_reason == "generation aborted"
+
+
+def test_a_replica_pinned_to_a_resource_no_node_has_fails_at_once_naming_the_nodes_resources(ray_cluster, tiny_model):
+    """Ray would leave such a replica pending forever (a typo'd resource, or a node that has not joined)."""
+    from async_rl.rollout.client import launch_replicas
+
+    with pytest.raises(ValueError, match=r"1 of Ray resource 'rolout_node' in all, but this cluster has 0 .*"
+                                         r"ray start --address=<head> --resources='\{\"rolout_node\": 1\}'"):
+        launch_replicas("hf", 1, str(tiny_model), replica_resources=[{"rolout_node": 1}])
 
 
 def test_replica_resources_are_checked_before_anything_starts():

@@ -200,7 +200,7 @@ def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_o
 
     def launch_on_two_nodes(*args, **kwargs):  # the trainer is placed: the second node joins, for a replica only
         nodes["second"] = add_second_node(1)
-        return real_launch(*args, replica_resources=[{"head_node": 1}, {"second_node": 1}], **kwargs)
+        return real_launch(*args, **{**kwargs, "replica_resources": [{"head_node": 1}, {"second_node": 1}]})
 
     monkeypatch.setattr(client, "launch_replicas", launch_on_two_nodes)
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)

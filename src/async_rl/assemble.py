@@ -206,7 +206,8 @@ def _rollout_replicas(spec: RunSpec, actor):
                                chunk_tokens=int(settings.chunk_tokens), num_cpus=float(settings.cpus_per_replica),
                                mode=settings.mode, worker_group=groups.process_groups[0] if hybrid else None,
                                checkpoint_backend=settings.checkpoint_backend,
-                               kv_on_update=settings.vllm_kv_on_update, engine_options=settings.vllm_engine_options())
+                               kv_on_update=settings.vllm_kv_on_update, engine_options=settings.vllm_engine_options(),
+                               replica_resources=settings.replica_resources)
     pool = ReplicaPool(replicas, settings.engine, on_replica_failure=settings.on_replica_failure,
                        health_timeout_s=float(settings.health_timeout_s),
                        vocab_size=getattr(model_config, "vocab_size", None), tokenizer=_tokenizer(spec.model_path))

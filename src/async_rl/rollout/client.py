@@ -615,6 +615,25 @@ def attach_checkpoint_manager(pool: ReplicaPool, actor_group: Any, backend: str 
     return manager
 
 
+def _check_resources_exist(replica_resources: Sequence[Optional[Mapping[str, float]]]) -> None:
+    """A replica pinned to a resource no node has would wait forever for a node: refuse it now, naming the nodes'
+    custom resources (a typo, or a node that has not joined yet)."""
+    available = ray.cluster_resources()
+    standard = {"CPU", "GPU", "memory", "object_store_memory"}
+    custom = sorted(name for name in available if name not in standard and not name.startswith("node:")
+                    and not name.startswith("accelerator_type:"))
+    wanted: dict[str, float] = {}
+    for resources in replica_resources:
+        for name, amount in (resources or {}).items():
+            wanted[name] = wanted.get(name, 0.0) + float(amount)
+    for name, amount in wanted.items():
+        if available.get(name, 0.0) < amount:
+            raise ValueError(f"rollout.replica_resources asks for {amount:g} of Ray resource {name!r} in all, but "
+                             f"this cluster has {available.get(name, 0.0):g} (its nodes' custom resources: "
+                             f"{', '.join(custom) or 'none'}); start the node with "
+                             f"ray start --address=<head> --resources='{{\"{name}\": {max(1, int(amount))}}}'")
+
+
 def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: str = "cpu",
                     dtype: Optional[str] = None, torch_threads: Optional[int] = 1, chunk_tokens: int = 4,
                     num_cpus: float = 1.0, max_model_len: Optional[int] = None,
@@ -646,6 +665,7 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
             if resources and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
                                  for v in resources.values()):
                 raise ValueError(f"replica_resources={dict(resources)}: every amount must be a number > 0")
+        _check_resources_exist(replica_resources)
     if mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout.mode={mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
     if mode == "hybrid":

@@ -49,6 +49,9 @@ class ReplicaSettings:
     vllm_max_model_len: Optional[int] = None  # vllm: context length (None = the model's)
     vllm_max_num_seqs: int = 64  # vllm: requests decoded together
     device: Optional[str] = None  # where standalone replicas run: cpu | cuda (None = trainer.device)
+    # custom Ray resources each standalone replica's server also reserves, one mapping (or None) per replica: pins a
+    # replica to the node started with that resource (`ray start --resources='{"rollout_node": 2}'`); None: any node
+    replica_resources: Optional[list] = None
 
     def vllm_engine_options(self) -> dict[str, Any]:
         """The ``engine_kwargs`` keywords of :mod:`async_rl.rollout.vllm_engine` from these settings."""
@@ -62,7 +65,7 @@ class ReplicaSettings:
         an unknown key fails with the valid names."""
         if rollout_cfg is None:
             return cls()
-        if not isinstance(rollout_cfg, Mapping):
+        if type(rollout_cfg).__module__.startswith("omegaconf"):  # plain lists and dicts (replica_resources)
             from omegaconf import OmegaConf
 
             rollout_cfg = OmegaConf.to_container(rollout_cfg, resolve=True)
@@ -122,6 +125,26 @@ class ReplicaSettings:
         if self.engine == "vllm" and self.weight_sync != "pool":
             raise ValueError("rollout.engine=vllm loads weights through the pool (rollout.weight_sync=pool); verl's "
                              "checkpoint manager drives verl's own vLLM servers, which async_rl does not use")
+        if self.replica_resources is not None:
+            self._check_replica_resources()
         if self.mode == "hybrid" and self.weight_sync != "pool":
             raise ValueError("rollout.mode=hybrid copies the weights in memory inside each train rank; "
                              "rollout.weight_sync=checkpoint_manager has nothing to move there (use pool)")
+
+    def _check_replica_resources(self) -> None:
+        example = "e.g. rollout.replica_resources='[{head: 1}, {rollout_node: 1}]'"
+        resources = self.replica_resources
+        if not isinstance(resources, (list, tuple)) or len(resources) != int(self.replicas):
+            raise ValueError(f"rollout.replica_resources={resources!r}: give one mapping (or null) per replica, "
+                             f"{self.replicas} in all ({example})")
+        if self.mode != "standalone" or self.engine not in ("hf", "vllm"):
+            raise ValueError(f"rollout.replica_resources pins standalone hf or vllm replicas to nodes; this run has "
+                             f"rollout.mode={self.mode} rollout.engine={self.engine}")
+        for index, entry in enumerate(resources):
+            if entry is None:
+                continue
+            if not isinstance(entry, Mapping) or not entry or not all(
+                    isinstance(name, str) and name and isinstance(amount, (int, float))
+                    and not isinstance(amount, bool) and amount > 0 for name, amount in entry.items()):
+                raise ValueError(f"rollout.replica_resources[{index}]={entry!r}: a mapping of Ray resource names to "
+                                 f"amounts > 0, or null ({example})")
