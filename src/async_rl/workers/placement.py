@@ -44,7 +44,15 @@ def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs) -> None:
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
         init_kwargs.pop("include_dashboard", None)
-        ray.init(address=address, **init_kwargs)
+        try:
+            ray.init(address=address, **init_kwargs)
+        except ConnectionError as error:
+            raise ConnectionError(
+                f"could not join the Ray cluster at RAY_ADDRESS={address} ({str(error).splitlines()[0]}). Is the "
+                "head up at that address? A head started with `ray start --head` uses token authentication "
+                "(Ray's default): set RAY_AUTH_MODE=token here and give this machine the cluster's token (the "
+                "head's ~/.ray/auth_token, or RAY_AUTH_TOKEN); docs/architecture.md, \"Running on a Ray cluster\"."
+            ) from None
         return
     init_kwargs.setdefault("include_dashboard", False)
     ray.init(num_cpus=num_cpus, **init_kwargs)
