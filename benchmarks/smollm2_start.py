@@ -48,12 +48,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     set_threads()
     quiet_libraries()
-    from hydra import compose, initialize_config_dir
-
+    from async_rl.cli_config import compose_command_line
     from async_rl.train import make_tasks, prepare_model
 
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        cfg = compose(config_name="smollm2", overrides=list(args.env_overrides))
+    cfg = compose_command_line(["--config-dir", str(REPO / "recipes"), "--config-name", "smollm2",
+                                *args.env_overrides])  # as the CLI composes it
     with tempfile.TemporaryDirectory(prefix="smollm2_start_") as tmp:
         tmp_path = Path(tmp)
         cfg.model.sft.dir = str(tmp_path / "sft")  # a fresh warm start, timed; the recipe's cache is left alone
