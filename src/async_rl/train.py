@@ -113,7 +113,7 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
 
         # model.sft.lr: null keeps the tiny model's tuned rate (sft.DEFAULT_LR); a pretrained model needs far less
         lr = {} if model_cfg.sft.get("lr") is None else {"lr": float(model_cfg.sft.lr)}
-        with Phase("warm start", detail=f"SFT on scripted {env_name} episodes (cached in {warm}; "
+        with Phase("warm start", detail=f"SFT on {env_name} demonstrations (cached in {warm}; "
                                         "the first run of a task only)") as phase:
             def on_step(step: int, steps: int, loss: float) -> None:
                 phase.update(step, f"loss {loss:.3f}", total=steps)
