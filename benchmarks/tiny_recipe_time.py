@@ -1,4 +1,5 @@
-"""Where a SIZE=tiny agent recipe's time goes: the warm start against training (issue 38, item 7).
+"""Where a SIZE=tiny agent recipe's time goes: the warm start against training (issue 38, item 7); and the
+real-model recipe's (``--tasks smollm2``: recipes/smollm2.yaml with GRPO for 3 steps, issue 36).
 
 Runs ``python -m async_rl.train --config-dir recipes --config-name <task>_tiny`` for WebShop and ALFWorld from a
 fresh model folder (so the tiny model is built and warm-started), then again on the same folder (the warm start is
@@ -6,7 +7,8 @@ cached: what every later run of the recipe costs). Records each run's ``time_s``
 (setup, warm_start, build, training, export, total), the SFT statistics (steps, demonstrations, their mean length,
 seconds) and the seconds per SFT step. Saves ``results/tiny_recipe_time.json``.
 
-    .venv/bin/python benchmarks/tiny_recipe_time.py [--tasks webshop alfworld]
+    .venv/bin/python benchmarks/tiny_recipe_time.py [--tasks webshop alfworld] [--out NAME]
+    .venv/bin/python benchmarks/tiny_recipe_time.py --tasks smollm2 --out smollm2_recipe_time
 """
 
 from __future__ import annotations
@@ -24,14 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, save_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-ALGORITHM = {"webshop": "sapo", "alfworld": "sapo"}  # the README's tiny commands
+ALGORITHM = {"webshop": "sapo", "alfworld": "sapo", "smollm2": "grpo"}  # the README's commands
+# smollm2: the real-model recipe (recipes/smollm2.yaml) for --smollm2-steps steps; its model is the converted
+# SmolLM2 (outputs/models/smollm2, make smollm2), its warm start goes to a fresh folder here
+SMOLLM2_STEPS = 3
 
 
 def run_recipe(task: str, work: Path, label: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "WANDB_MODE": "offline"}
+    if task == "smollm2":
+        where = [f"model.sft.dir={work / 'model' / 'sft'}", f"trainer.driver.total_steps={SMOLLM2_STEPS}",
+                 "trainer.export_model=false"]
+    else:
+        env["OMP_NUM_THREADS"] = "1"
+        where = [f"model.dir={work / 'model'}"]
     args = [sys.executable, "-m", "async_rl.train", "--config-dir", str(REPO / "recipes"), "--config-name",
-            f"{task}_tiny", f"algorithm={ALGORITHM[task]}", "trainer.wandb=false", f"model.dir={work / 'model'}",
-            f"trainer.output_dir={work / label}"]
+            task if task == "smollm2" else f"{task}_tiny", f"algorithm={ALGORITHM[task]}", "trainer.wandb=false",
+            *where, f"trainer.output_dir={work / label}"]
     started = time.perf_counter()
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - started
@@ -43,7 +54,8 @@ def run_recipe(task: str, work: Path, label: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=sorted(ALGORITHM), choices=sorted(ALGORITHM))
+    parser.add_argument("--tasks", nargs="+", default=["alfworld", "webshop"], choices=sorted(ALGORITHM))
+    parser.add_argument("--out", default="tiny_recipe_time", help="result file stem under results/")
     args = parser.parse_args(argv)
     rows = []
     for task in args.tasks:
@@ -55,6 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
         sft = {key: stats[key] for key in ("steps", "clean_steps", "num_demos", "batch_size", "mean_demo_tokens",
                                            "max_demo_tokens", "demo_success_rate", "seconds")}
         sft["seconds_per_step"] = round(stats["seconds"] / max(stats["steps"], 1), 3)
+        if task == "smollm2":
+            sft["training_steps"] = SMOLLM2_STEPS
+            sft["seconds_per_training_step"] = round(first["time_s"]["training"] / SMOLLM2_STEPS, 1)
         row = {"task": task, "algorithm": ALGORITHM[task], "first_run": first, "cached_run": again, "sft": sft,
                "warm_start_share_of_first_run": round(first["time_s"]["warm_start"] / first["time_s"]["total"], 3)}
         rows.append(row)
@@ -62,8 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"training {first['time_s']['training']:.0f} s); with the warm start cached "
               f"{again['time_s']['total']:.0f} s; SFT {sft['steps']} steps of ~{sft['mean_demo_tokens']:.0f} tokens, "
               f"{sft['seconds_per_step']:.2f} s a step", flush=True)
-    payload = {"benchmark": "tiny_recipe_time", "machine": machine_info(), "rows": rows}
-    path = save_json("tiny_recipe_time", payload)
+    payload = {"benchmark": args.out, "machine": machine_info(), "rows": rows}
+    path = save_json(args.out, payload)
     print(f"wrote {path}")
     return payload
 
