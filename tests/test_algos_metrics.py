@@ -37,6 +37,11 @@ def test_pass_at_k():
     # large n stays finite and exact: 1 - C(999, 1)/C(1000, 1) = 0.001
     assert abs(pass_at_k(1000, [1], 1)[0] - 0.001) < 1e-12
     assert abs(pass_at_k(2000, [3], 16)[0] - (1 - math.comb(1997, 16) / math.comb(2000, 16))) < 1e-10
+    # no correct sample is exactly 0 for every n and k (lgamma's round-off gave 1.1e-16 at n = 4, k = 2, which an
+    # eval table printed as pass@2 > 0 for a model that never answered right)
+    for n in (2, 3, 4, 5, 8, 16, 64, 100):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, [0], k)[0] == 0.0, (n, k)
     try:
         pass_at_k(4, [1], 8)
     except ValueError as err:

@@ -75,7 +75,9 @@ def pass_at_k(n, c, k: int) -> np.ndarray:
     # log C(n-c, k) - log C(n, k); the k! terms cancel
     log_ratio = (torch.lgamma(safe_fails + 1) - torch.lgamma(safe_fails - k + 1)
                  - torch.lgamma(n_t + 1) + torch.lgamma(n_t - k + 1))
-    return torch.where(enough_fails, 1.0 - torch.exp(log_ratio), torch.ones_like(c_t)).numpy()
+    estimate = torch.where(enough_fails, 1.0 - torch.exp(log_ratio), torch.ones_like(c_t))
+    # no correct sample: exactly 0 (lgamma's round-off left +-1e-16 there, e.g. 1.1e-16 for n = 4, k = 2)
+    return torch.where(c_t == 0, torch.zeros_like(c_t), estimate).numpy()
 
 
 def mismatch_sums(behaviour_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, response_mask: torch.Tensor,
