@@ -1,13 +1,14 @@
 """Where the real-model recipe starts: SmolLM2's success on its task before RL, with and without the warm start
 (issue 36, item 3: the recipe is chosen so that success at temperature 1.0 starts between 10 % and 60 %).
 
-Composes ``recipes/smollm2.yaml`` as the CLI does (``--env-overrides`` change the task), builds its training tasks,
+Composes ``recipes/smollm2.yaml`` as the CLI does (``--overrides`` change the task or the warm start), builds its training tasks,
 runs its SFT warm start through the trainer's own ``prepare_model`` into a temporary folder (timed; the recipe's
 cached one is not touched), then evaluates the base model and the warm start with ``async_rl.eval`` on the
 recipe's held-out items: ``--problems`` problems x ``--samples`` samples at temperature 1.0 on the hf engine.
 Saves ``results/smollm2_start.json`` (success, pass@k, mean response tokens, seconds).
 
-    .venv/bin/python benchmarks/smollm2_start.py [--problems 50] [--samples 4]
+    .venv/bin/python benchmarks/smollm2_start.py [--problems 50] [--samples 4] [--overrides KEY=VALUE ...]
+        [--out smollm2_start]
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, default=50)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--env-overrides", nargs="*", default=[], help="e.g. env.dataset=gsm_symbolic")
+    parser.add_argument("--overrides", nargs="*", default=[], help="config overrides, e.g. env.dataset=gsm_symbolic model.sft.noise=0")
+    parser.add_argument("--out", default="smollm2_start", help="result file stem under results/")
     args = parser.parse_args(argv)
     set_threads()
     quiet_libraries()
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     from async_rl.train import make_tasks, prepare_model
 
     cfg = compose_command_line(["--config-dir", str(REPO / "recipes"), "--config-name", "smollm2",
-                                *args.env_overrides])  # as the CLI composes it
+                                *args.overrides])  # as the CLI composes it
     with tempfile.TemporaryDirectory(prefix="smollm2_start_") as tmp:
         tmp_path = Path(tmp)
         cfg.model.sft.dir = str(tmp_path / "sft")  # a fresh warm start, timed; the recipe's cache is left alone
@@ -67,13 +69,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         sft_stats = json.loads((Path(warm) / "sft_stats.json").read_text())
     payload = {"benchmark": "smollm2_start", "machine": machine_info(), "recipe": "recipes/smollm2.yaml",
-               "env_overrides": args.env_overrides, "dataset": cfg.env.dataset, "temperature": 1.0,
+               "overrides": args.overrides, "dataset": cfg.env.dataset, "temperature": 1.0,
                "warm_start_s": round(warm_start_s, 1),
                "sft": {k: sft_stats.get(k) for k in ("steps", "num_demos", "noise", "lr", "batch_size",
                                                      "initial_loss", "final_loss", "seconds")},
                "target_band": [0.10, 0.60], "eval": rows,
                "in_band": {name: 0.10 <= row["success_rate"] <= 0.60 for name, row in rows.items()}}
-    path = save_json("smollm2_start", payload)
+    path = save_json(args.out, payload)
     for name, row in rows.items():
         print(f"{name}: success {row['success_rate']:.3f} at temperature 1.0 ({row['problems']} problems x "
               f"{row['samples_per_problem']}; pass@k {row['pass_at_k']}); {row['seconds']} s")
