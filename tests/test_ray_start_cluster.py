@@ -30,26 +30,31 @@ RAY = str(Path(sys.executable).with_name("ray"))
 TOTAL_STEPS = 6
 
 
-def _free_port() -> int:
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports in 7000-7499."""
+    ports: list[int] = []
     for port in random.sample(range(7000, 7500), 500):
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
-    raise RuntimeError("no free port in 7000-7499")
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError("not enough free ports in 7000-7499")
 
 
-def _ray_pids() -> set[int]:
+def _processes_of(temp_dir: str, marker: str = "") -> set[int]:
+    """The cluster's processes: every Ray process of it names its own ``--temp-dir`` on its command line (and
+    ``marker`` too, when given). Processes of any other Ray cluster on the machine are never picked."""
     found = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             text = " ".join(proc.info["cmdline"] or [])
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if "ray" in text and any(name in text for name in ("raylet", "gcs_server", "default_worker", "dashboard",
-                                                            "log_monitor", "runtime_env", "monitor.py")):
+        if temp_dir in text and marker in text:
             found.add(proc.info["pid"])
     return found
 
@@ -98,34 +103,36 @@ def _ray_start(*args: str) -> None:
 
 @pytest.fixture
 def cluster(tmp_path):
-    """``(address, second_node_pids)``: a head (4 CPUs, ``head_node``) and a second node (no CPU, ``rollout_node``)
-    started with the ``ray`` CLI; every process they started is killed by pid afterwards."""
+    """``(address, second_node)``: a head (4 CPUs, ``head_node``) and a second node (no CPU, ``rollout_node``)
+    started with the ``ray`` CLI; ``second_node()`` gives the second node's raylet (found by its resource) and every
+    process under it. Every process of the cluster is killed by pid afterwards."""
     import shutil
     import tempfile
 
-    before = _ray_pids()
-    port = _free_port()
-    started: set[int] = set()
-    # Ray's session files under a short folder of our own (unix socket paths are limited to 107 bytes), which also
-    # keeps this cluster's address file away from /tmp/ray, where any other ray.init() here would find it
+    # Ray's session files under a short folder of our own (unix socket paths are limited to 107 bytes): it names
+    # this cluster's processes, and keeps its address file away from /tmp/ray, where any ray.init() would find it
     temp_dir = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    port, client_port, agent_head, agent_second = _free_ports(4)
+
+    def second_node() -> set[int]:
+        raylets = {pid for pid in _processes_of(temp_dir, "rollout_node")
+                   if "raylet" in " ".join(psutil.Process(pid).cmdline())}
+        assert len(raylets) == 1, f"expected one raylet with the rollout_node resource, found {sorted(raylets)}"
+        return _tree(raylets)
+
     try:
         _ray_start("--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
                    "--resources={\"head_node\": 4}", "--include-dashboard=false",
-                   f"--ray-client-server-port={_free_port()}",
-                   f"--dashboard-agent-listen-port={_free_port()}", f"--temp-dir={temp_dir}")
-        head = _ray_pids() - before
-        started |= head
-        _ray_start(f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
-                   "--resources={\"rollout_node\": 1}", f"--dashboard-agent-listen-port={_free_port()}",
+                   f"--ray-client-server-port={client_port}", f"--dashboard-agent-listen-port={agent_head}",
                    f"--temp-dir={temp_dir}")
-        second = _ray_pids() - before - head
-        started |= second
-        yield f"127.0.0.1:{port}", second
+        _ray_start(f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
+                   "--resources={\"rollout_node\": 1}", f"--dashboard-agent-listen-port={agent_second}",
+                   f"--temp-dir={temp_dir}")
+        yield f"127.0.0.1:{port}", second_node
     finally:
         deadline = time.monotonic() + 30
         while True:
-            everything = _tree(started | (_ray_pids() - before))
+            everything = _tree(_processes_of(temp_dir))
             _kill(everything)
             if not _alive(everything) or time.monotonic() > deadline:
                 break
@@ -154,22 +161,25 @@ def test_the_cli_joins_a_ray_start_cluster_pins_a_replica_to_each_node_and_survi
             "env.max_response_tokens=40", "rollout.replicas=2", "rollout.cpus_per_replica=0",
             "rollout.health_timeout_s=10", "rollout.replica_resources=[{head_node:1},{rollout_node:1}]"]
     env = {**os.environ, "RAY_ADDRESS": address, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **AUTH}
-    run = subprocess.Popen([sys.executable, "-m", "async_rl.train", *args], cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log_path = tmp_path / "train_output.txt"  # a file, not a pipe: a pipe nobody reads would block the trainer
     killed_after = None
-    try:
-        deadline = time.monotonic() + 600
-        while run.poll() is None and time.monotonic() < deadline:
-            rows = _rows(run_dir)
-            if killed_after is None and len(rows) >= 2:
-                killed_after = len(rows)
-                _kill(_tree(second_node))  # the second node's raylet, its agents and its workers (the replica)
-            time.sleep(0.2)
-        stdout, stderr = run.communicate(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        if run.poll() is None:
-            run.kill()
-    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    with open(log_path, "w") as log:
+        run = subprocess.Popen([sys.executable, "-m", "async_rl.train", *args], cwd=REPO, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 600
+            while run.poll() is None and time.monotonic() < deadline:
+                rows = _rows(run_dir)
+                if killed_after is None and len(rows) >= 2:
+                    killed_after = len(rows)
+                    _kill(second_node())  # the second node's raylet, its agents and its workers (the replica)
+                time.sleep(0.2)
+        finally:
+            if run.poll() is None:
+                run.kill()
+            run.wait()
+    output = log_path.read_text()
+    assert run.returncode == 0, output[-5000:]
     assert killed_after is not None and killed_after < TOTAL_STEPS
     rows = _rows(run_dir)
     assert [row["step"] for row in rows] == list(range(1, TOTAL_STEPS + 1))
