@@ -198,3 +198,16 @@ def test_li2sao_gate_keys_reach_the_gate():
     learner = Learner(AlgorithmConfig(name="li2sao", **{**BASE["li2sao"], "gate": gate}), RecordingActor(),
                       RecordingCritic(), pad_token_id=0)
     assert {k: getattr(learner.gate, k) for k in vars(gate)} == vars(gate)
+
+
+def test_a_plan_that_fixes_one_phases_loss_still_reads_policy_loss_for_the_other(monkeypatch):
+    """unread_keys follows the plan's fields: policy_loss is refused only where both phases' losses are fixed."""
+    from async_rl import config
+
+    monkeypatch.setitem(config.ALGORITHM_PLANS, "half_fixed",
+                        config.AlgorithmPlan("sao_gae", "sao_gae", trains_critic=True, bootstrap_loss="dis_clip"))
+    unread = unread_keys(AlgorithmConfig(name="half_fixed", policy_loss="ppo_clip"))
+    assert "policy_loss" not in unread
+    # the losses in use are dis_clip (fixed) and ppo_clip (read): the DIS keys are read, the clip keys too
+    assert not {"dis.low", "dis.high", "kl_warn_kept_threshold", "clip.clip_ratio_low"} & set(unread)
+    assert unread_keys(AlgorithmConfig(name="li2sao", policy_loss="dis_clip"))["policy_loss"][0] == "dis_clip"

@@ -29,8 +29,10 @@ def test_a_counted_phase_in_a_log_prints_start_progress_and_end(capsys):
     assert out[-1] == "warm start: done in 50.0 s"
     progress = out[1:-1]
     assert [line.split()[2] for line in progress] == ["1/25", "6/25", "10/25", "15/25", "20/25", "25/25"]
-    # step 10 at 20 s: 2 s a step, 15 steps left
-    assert progress[2] == "warm start: 10/25 steps loss 0.100 | 2.0 s/step, elapsed 20 s, eta 30 s"
+    # the count was learnt at step 1 (2 s in, after the phase's setup): the rate is timed from there, and that first
+    # line has none; step 10: 9 steps in 18 s, 2 s a step, 15 steps left
+    assert progress[0] == "warm start: 1/25 steps loss 1.000 | elapsed 0 s"
+    assert progress[2] == "warm start: 10/25 steps loss 0.100 | 2.0 s/step, elapsed 18 s, eta 30 s"
     assert logged == []  # no bar: the printed lines are what train.log gets
 
 
@@ -94,3 +96,24 @@ def test_a_count_that_moves_in_batches_gives_the_right_rate(capsys):
         phase.update(64)  # the first batch of 64 samples, 1 s in: 64 a second, not 1 s a sample
     assert capsys.readouterr().out.splitlines()[1] == \
         "[eval] toy_keys: 64/128 samples | 64 samples/s, elapsed 1 s, eta 1 s"
+
+
+def test_a_phase_stopped_on_purpose_says_stopped_and_a_resume_before_the_count_is_kept(capsys):
+    class Stopped(Exception):  # the driver's RunStopped is an Exception: a signal stops the run at a cut
+        pass
+
+    clock = Clock()
+    with pytest.raises(Stopped), Phase("training", total=3, terminal=False, clock=clock, log_only=lambda line: None,
+                                       stopped_by=(Stopped,)):
+        clock.now = 1.0
+        raise Stopped
+    assert capsys.readouterr().out.splitlines()[-1] == "training: stopped after 1.0 s"
+    with Phase("warm start", terminal=False, every_steps=1, clock=clock, log_only=lambda line: None) as phase:
+        phase.start_at(10)  # resumed at 10, before the count is known
+        clock.now = 3.0
+        phase.update(11, total=20)
+        clock.now = 5.0
+        phase.update(12)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "warm start: 11/20 steps | elapsed 0 s"  # step 11 starts the timing
+    assert lines[2] == "warm start: 12/20 steps | 2.0 s/step, elapsed 2 s, eta 16 s"

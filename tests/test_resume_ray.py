@@ -506,20 +506,19 @@ SIGNALLER = textwrap.dedent("""
     tracking.RunLogger.log = log
     main(sys.argv[1:])
 """)
-RAY_PROCESS_NAMES = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard", "log_monitor")
 
 
-def _ray_processes() -> set[int]:
+def _processes_under(temp_dir: str) -> set[int]:
+    """The Ray processes of the run's own instance: each names its session folder, under RAY_TMPDIR."""
     import psutil
 
     found = set()
-    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+    for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            text = " ".join([proc.info["name"] or ""] + (proc.info["cmdline"] or []))
+            if temp_dir in " ".join(proc.info["cmdline"] or []):
+                found.add(proc.info["pid"])
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if any(name in text for name in RAY_PROCESS_NAMES):
-            found.add(proc.info["pid"])
     return found
 
 
@@ -529,11 +528,30 @@ def test_ctrl_c_of_a_ray_run_checkpoints_shuts_ray_down_and_resumes(tmp_path):
     with every Ray process it started gone; ``trainer.resume=true`` then trains steps 4 and 5 from it."""
     import time
 
-    before = _ray_processes()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "SIGNAL_AT_STEP": "3"}
+    import shutil
+    import tempfile
+
+    import psutil
+
+    # the run's Ray instance keeps its session files in a folder of its own, which names its processes (and no
+    # other Ray process on the machine); short, for unix socket paths
+    ray_tmp = tempfile.mkdtemp(prefix="cc", dir="/tmp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "SIGNAL_AT_STEP": "3", "RAY_TMPDIR": ray_tmp}
     args = _overrides(tmp_path, "ctrl-c", "trainer.scheduler=concurrent")
-    stopped = subprocess.run([sys.executable, "-c", SIGNALLER, *args], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=900)
+    try:
+        stopped = subprocess.run([sys.executable, "-c", SIGNALLER, *args], cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=900)
+        deadline = time.monotonic() + 30
+        while _processes_under(ray_tmp) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _processes_under(ray_tmp)
+    finally:
+        for pid in _processes_under(ray_tmp):  # whatever the run left, even when an assertion below fails
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr + stopped.stdout
     run_dir = tmp_path / "out" / "ctrl-c"
@@ -544,10 +562,7 @@ def test_ctrl_c_of_a_ray_run_checkpoints_shuts_ray_down_and_resumes(tmp_path):
     state, problem = read_checkpoint(run_dir / "checkpoints" / "step_000003.pt")
     assert problem is None and state["learner"]["model_state"] == "sharded" and state["learner"]["step"] == 3
     assert _steps(run_dir) == [1, 2, 3]
-    deadline = time.monotonic() + 30
-    while _ray_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _ray_processes() - before, "Ray processes of the stopped run are still running"
+    assert not left, f"Ray processes of the stopped run were still running 30 s after it ended: {sorted(left)}"
 
     resumed = _cli(_overrides(tmp_path, "ctrl-c", "trainer.scheduler=concurrent", "trainer.resume=true"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -34,21 +34,31 @@ def test_both_rollouts_implement_every_member_with_its_signature(where):
             assert all(p.default is not inspect.Parameter.empty for p in got[len(expected):]), (name, member, got)
 
 
+class ContractBreach(BaseException):
+    """Not an Exception: no ``except Exception`` on the driver's way (its stop path has one) can swallow it."""
+
+
 class Guard:
-    """The rollout, through the contract only: any other attribute fails the run."""
+    """The rollout, through the contract only: any other attribute read or set is recorded and raised. (Special
+    methods skip ``__getattr__``; the driver uses none on its rollout. The builder, ``assemble.py``, knows the
+    concrete class it built and reads more, e.g. ``max_positions`` and the pool's ``pids``; it runs before the
+    guard is put in.)"""
 
     def __init__(self, inner):
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "used", set())
+        object.__setattr__(self, "breaches", [])
 
     def __getattr__(self, name):
         if name not in ROLLOUT_CONTRACT and name not in ROLLOUT_OPTIONAL:
-            raise AssertionError(f"the driver read rollout.{name}, which is not in the rollout contract")
+            self.breaches.append(f"read rollout.{name}")
+            raise ContractBreach(f"the driver read rollout.{name}, which is not in the rollout contract")
         self.used.add(name)
         return getattr(self._inner, name)
 
     def __setattr__(self, name, value):
-        raise AssertionError(f"the driver set rollout.{name}")
+        self.breaches.append(f"set rollout.{name}")
+        raise ContractBreach(f"the driver set rollout.{name}")
 
 
 def _run(tiny_model, tmp_path, workers: str, resume: bool):
@@ -69,6 +79,10 @@ def _run(tiny_model, tmp_path, workers: str, resume: bool):
                                      spec, checkpoint_dir=tmp_path / "ckpt")
     guard = Guard(driver.rollout.engine)
     driver.rollout.engine = guard
+    # RunCore chose its weight sync from the engine when it was built: the same choice through the guard
+    from async_rl.rollout.weight_sync import choose_weight_sync
+
+    assert choose_weight_sync(driver.learner.actor, guard) is driver.weight_sync
     try:
         if resume:
             assert driver.resume()
@@ -77,12 +91,16 @@ def _run(tiny_model, tmp_path, workers: str, resume: bool):
         groups = getattr(driver.learner.actor, "worker_groups", None)
         if groups is not None:
             groups.shutdown()
+    assert not guard.breaches, guard.breaches  # also those a thread may have met
     return history, guard.used
 
 
 @pytest.mark.parametrize("workers", ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
-def test_the_driver_trains_checkpoints_and_resumes_through_the_contract_alone(tiny_model, tmp_path, workers):
-    """``workers=local``: the in-process hf engine; ``workers=ray``: a ReplicaPool of one hf replica server."""
+def test_the_driver_trains_checkpoints_and_resumes_through_the_contract_alone(tiny_model, tmp_path, workers, request):
+    """``workers=local``: the in-process hf engine; ``workers=ray``: a ReplicaPool of one hf replica server (on the
+    module's Ray instance, shut down with the module: later modules start their own)."""
+    if workers == "ray":
+        request.getfixturevalue("ray_cluster")
     history, used = _run(tiny_model, tmp_path, workers, resume=False)
     assert len(history) == 2
     resumed, used_again = _run(tiny_model, tmp_path, workers, resume=True)

@@ -603,9 +603,29 @@ def test_a_replica_pinned_to_a_resource_no_node_has_fails_at_once_naming_the_nod
     """Ray would leave such a replica pending forever (a typo'd resource, or a node that has not joined)."""
     from async_rl.rollout.client import launch_replicas
 
-    with pytest.raises(ValueError, match=r"1 of Ray resource 'rolout_node' in all, but this cluster has 0 .*"
-                                         r"ray start --address=<head> --resources='\{\"rolout_node\": 1\}'"):
+    with pytest.raises(ValueError, match=r"replica_resources\[0\]=\{'rolout_node': 1\} with rollout.cpus_per_replica=1: "
+                                         r"no node of this Ray cluster has all of \{CPU: 1, rolout_node: 1\}.*"
+                                         r"ray start --address=<head> --resources='\{\"rolout_node\": 1\}' --num-cpus=1"):
         launch_replicas("hf", 1, str(tiny_model), replica_resources=[{"rolout_node": 1}])
+
+
+def test_pinned_replicas_are_checked_per_node_with_their_cpus_and_in_total(monkeypatch):
+    """The layout docs/architecture.md describes (a node with no CPU and only a custom resource) holds a replica
+    only at rollout.cpus_per_replica=0; two replicas cannot share a resource one node has once."""
+    import async_rl.rollout.client as client
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 4.0, "head_node": 4.0, "node:127.0.0.1": 1.0}},
+             {"Alive": True, "Resources": {"rollout_node": 1.0, "node:127.0.0.2": 1.0}},
+             {"Alive": False, "Resources": {"CPU": 8.0, "rollout_node": 8.0}}]  # a dead node holds nothing
+    monkeypatch.setattr(client.ray, "nodes", lambda: nodes)
+    client._check_resources_exist([{"head_node": 1}, {"rollout_node": 1}], 0.0)  # fits
+    client._check_resources_exist([{"head_node": 1}, None], 1.0)  # the head has CPUs
+    with pytest.raises(ValueError, match=r"\[1\].*no node of this Ray cluster has all of \{CPU: 1, rollout_node: 1\} "
+                                         r"\(its nodes: \{CPU: 4, head_node: 4\}; \{rollout_node: 1\}\).*lower "
+                                         r"rollout.cpus_per_replica"):
+        client._check_resources_exist([{"head_node": 1}, {"rollout_node": 1}], 1.0)
+    with pytest.raises(ValueError, match=r"2 of Ray resource 'rollout_node' in all, but this cluster has 1"):
+        client._check_resources_exist([{"rollout_node": 1}, {"rollout_node": 1}], 0.0)
 
 
 def test_replica_resources_are_checked_before_anything_starts():

@@ -242,15 +242,16 @@ def unread_keys(cfg: "AlgorithmConfig") -> dict[str, tuple[Any, str]]:
         unread(["gamma"], f"{cfg.name}'s advantage uses the terminal reward only")
     # the policy losses the run uses: the plan's own (before/after a switch), else algorithm.policy_loss
     losses = {plan.bootstrap_loss or cfg.policy_loss, plan.single_loss or cfg.policy_loss}
-    fixed_losses = plan.bootstrap_loss is not None or plan.single_loss is not None
+    # policy_loss is never read only where the plan fixes the loss of both phases (Li2SAO); one fixed phase leaves
+    # algorithm.policy_loss to the other
+    fixed_losses = plan.bootstrap_loss is not None and plan.single_loss is not None
     dis_losses = {"dis", "dis_clip"}
     if plan.shared_backbone:
         why = "SAPO's loss is its own: token-level PPO clip with ε = algorithm.clip.clip_ratio_low, turn means"
         unread(["policy_loss", "loss_agg_mode", "clip.clip_ratio_high", "dis.low", "dis.high"], why)
     elif fixed_losses:
-        allowed = plan.bootstrap_loss or plan.single_loss
-        unread(["policy_loss"], f"{cfg.name} uses {plan.bootstrap_loss or cfg.policy_loss} before its switch and "
-               f"{plan.single_loss or cfg.policy_loss} after it (spec §4)", allowed=allowed)
+        unread(["policy_loss"], f"{cfg.name} uses {plan.bootstrap_loss} before its switch and {plan.single_loss} "
+               "after it (spec §4)", allowed=plan.bootstrap_loss)
     elif not losses & dis_losses:
         unread(["dis.low", "dis.high"], f"policy_loss={cfg.policy_loss} has no DIS mask")
     if plan.shared_backbone or not losses & dis_losses:

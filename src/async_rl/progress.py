@@ -48,7 +48,9 @@ class ProgressLines:
         checkpoint's step), the time since the display started, and what is left at that rate. Faster than
         10 a second reads as ``"25 steps/s"``."""
         elapsed = self.clock() - self.started
-        done = max(step - (self.first_step - 1 if self.first_step is not None else 0), 1)
+        done = step - (self.first_step - 1 if self.first_step is not None else 0)
+        if done < 1:  # nothing timed yet (a count that started at this step): no rate to show
+            return f"elapsed {elapsed:.0f} s"
         per_step = elapsed / done
         eta = per_step * max(self.total_steps - step, 0)
         rate = f"{per_step:.1f} s/{unit}" if per_step >= 0.1 or per_step == 0 else f"{1 / per_step:.0f} {unit}s/s"
@@ -62,7 +64,7 @@ def _terminal() -> bool:
 class Phase:
     """One phase's display: ``"<name>: <detail>"`` when it starts, progress while it counts, and
     ``"<name>: done in 12.3 s"`` when it ends (``"failed after 12.3 s (ValueError)"`` when it raises an error,
-    ``"stopped after 12.3 s"`` on a signal).
+    ``"stopped after 12.3 s"`` on a signal: a ``BaseException`` that is not an ``Exception``, or one of ``stopped_by``).
 
     ``total``: how many ``unit``\\ s the phase counts (None: only a start and an end line, unless :meth:`update`
     gives one). ``terminal``: draw a tqdm bar (stderr) instead of printing progress lines; None decides from
@@ -75,7 +77,8 @@ class Phase:
     def __init__(self, name: str, total: Optional[int] = None, unit: str = "step", detail: str = "",
                  terminal: Optional[bool] = None, every_s: float = 10.0, every_steps: Optional[int] = None,
                  clock=time.monotonic,
-                 log_only: Optional[Callable[[str], None]] = None, stream: Optional[TextIO] = None):
+                 log_only: Optional[Callable[[str], None]] = None, stream: Optional[TextIO] = None,
+                 stopped_by: tuple[type[BaseException], ...] = ()):
         self.name, self.total, self.unit, self.detail = name, total, unit, detail
         self.stream = stream  # None: sys.stdout at the time of printing (a CLI run's tee into train.log)
         self.terminal = _terminal() if terminal is None else terminal
@@ -84,7 +87,9 @@ class Phase:
         if log_only is None:
             from async_rl.run_log import log_only
         self.log_only = log_only
+        self.stopped_by = stopped_by  # exceptions that stop the phase on purpose (a signal): "stopped", not "failed"
         self.lines: Optional[ProgressLines] = None
+        self._resumed_at: Optional[int] = None
         self.bar = None
         self.started: Optional[float] = None
 
@@ -98,12 +103,19 @@ class Phase:
     def _print(self, line: str) -> None:
         print(line, file=self.stream or sys.stdout, flush=True)
 
-    def _count(self, total: int) -> None:
+    def _count(self, total: int, first_done: Optional[int] = None) -> None:
+        """Start counting to ``total``. ``first_done``: the count is learnt at an update that already reports this
+        many done (the warm start's steps are known once it runs): the rate is timed from that update on, so the
+        setup before it (loading, demonstrations) does not inflate it."""
         self.total = int(total)
         every_steps = self.every_steps or max(1, round(self.total / 10))
         self.lines = ProgressLines(self.total, self.every_s, every_steps, clock=self.clock)
-        self.lines.started = self.started  # elapsed and the rate count the whole phase (demonstrations included)
-        self.lines.first_step = 1  # counted from 0 (start_at: a resumed phase), whatever the first update's count
+        if first_done is None:
+            self.lines.started = self.started
+            self.lines.first_step = (self._resumed_at or 0) + 1  # counted from 0, or from a resumed step
+        else:
+            self.lines.started = self.clock()
+            self.lines.first_step = max(first_done, self._resumed_at or 0) + 1
         if self.terminal:
             from tqdm import tqdm
 
@@ -111,6 +123,7 @@ class Phase:
 
     def start_at(self, done: int) -> None:
         """A resumed phase: ``done`` were finished by an earlier process (the rate counts this one's only)."""
+        self._resumed_at = int(done)
         if self.lines is not None:
             self.lines.first_step = done + 1
         if self.bar is not None:
@@ -122,7 +135,7 @@ class Phase:
         if self.lines is None:
             if total is None:
                 return
-            self._count(total)
+            self._count(total, first_done=done)
         if self.bar is not None:
             self.bar.update(done - self.bar.n)
             if text:
@@ -145,9 +158,9 @@ class Phase:
         took = self.clock() - self.started
         if kind is None:
             self._print(f"{self.name}: done in {took:.1f} s")
-        elif issubclass(kind, Exception):
+        elif issubclass(kind, Exception) and not issubclass(kind, self.stopped_by):
             self._print(f"{self.name}: failed after {took:.1f} s ({kind.__name__})")
-        else:  # a signal (KeyboardInterrupt, the trainer's Interrupted): the caller prints what happens next
+        else:  # a signal (KeyboardInterrupt, the trainer's RunStopped): the caller prints what happens next
             self._print(f"{self.name}: stopped after {took:.1f} s")
 
 

@@ -470,7 +470,9 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     lock = claim_run_dir(cfg)
     logger = None  # opened once a resume has succeeded: a failed resume leaves metrics.jsonl as it was
     # training's display: a bar on a terminal, plain lines in logs (stdout redirected, CI, `| tee`): progress.Phase
-    training = Phase("training", total=driver_cfg.total_steps, every_steps=10,
+    from async_rl.driver.core import RunStopped
+
+    training = Phase("training", total=driver_cfg.total_steps, every_steps=10, stopped_by=(RunStopped,),
                      detail=f"{algo.name} on {cfg.env.name}, {driver_cfg.total_steps} steps "
                             f"({cfg.trainer.scheduler} scheduler)")
 
@@ -515,8 +517,6 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
                 return
             last = driver.last_checkpoint
             raise Interrupted(signum, int(driver.learner.step), last[1] if last else None, run_dir, at_once=True)
-
-        from async_rl.driver.core import RunStopped
 
         previous = _install_signal_handlers(stop_at_next_cut)
         training_started = time.perf_counter()

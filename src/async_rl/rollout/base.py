@@ -165,7 +165,7 @@ class RolloutService(Protocol):
 
     Optional capabilities, read with ``getattr`` and a default: ``takes_version_only`` / ``accepts_published_weights``
     (how weights travel: ``rollout/weight_sync.py``), ``metrics()`` (per-step rollout metrics), ``max_positions``
-    (the context limit an episode is cut at).
+    (the context limit an episode is cut at; the builder, ``assemble.py``, reads it from the engine it made).
     """
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import threading
 import time
@@ -615,23 +616,42 @@ def attach_checkpoint_manager(pool: ReplicaPool, actor_group: Any, backend: str 
     return manager
 
 
-def _check_resources_exist(replica_resources: Sequence[Optional[Mapping[str, float]]]) -> None:
-    """A replica pinned to a resource no node has would wait forever for a node: refuse it now, naming the nodes'
-    custom resources (a typo, or a node that has not joined yet)."""
-    available = ray.cluster_resources()
+def _check_resources_exist(replica_resources: Sequence[Optional[Mapping[str, float]]], num_cpus: float) -> None:
+    """A pinned replica that no node can hold would wait forever: refuse it now, naming the nodes' resources (a
+    typo, a node that has not joined yet, or a node without the CPUs ``rollout.cpus_per_replica`` asks for).
+    Checked per replica against each alive node, and per resource against the whole cluster."""
     standard = {"CPU", "GPU", "memory", "object_store_memory"}
-    custom = sorted(name for name in available if name not in standard and not name.startswith("node:")
-                    and not name.startswith("accelerator_type:"))
-    wanted: dict[str, float] = {}
-    for resources in replica_resources:
-        for name, amount in (resources or {}).items():
-            wanted[name] = wanted.get(name, 0.0) + float(amount)
-    for name, amount in wanted.items():
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+
+    def described(resources: Mapping[str, float]) -> str:
+        shown = {name: amount for name, amount in resources.items() if name == "CPU" or (
+            name not in standard and not name.startswith("node:") and not name.startswith("accelerator_type:"))}
+        return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in sorted(shown.items())) + "}"
+
+    nodes_text = "; ".join(described(node) for node in nodes) or "none"
+    totals: dict[str, float] = {}
+    for index, resources in enumerate(replica_resources):
+        if not resources:
+            continue
+        needed = {**{name: float(amount) for name, amount in resources.items()},
+                  **({"CPU": float(num_cpus)} if num_cpus > 0 else {})}
+        for name, amount in resources.items():
+            totals[name] = totals.get(name, 0.0) + float(amount)
+        if not any(all(node.get(name, 0.0) >= amount for name, amount in needed.items()) for node in nodes):
+            first = next(iter(resources))
+            raise ValueError(
+                f"rollout.replica_resources[{index}]={dict(resources)} with rollout.cpus_per_replica={num_cpus:g}: no "
+                f"node of this Ray cluster has all of {described(needed)} (its nodes: {nodes_text}). Start one with "
+                f"ray start --address=<head> --resources='{{\"{first}\": {max(1, int(resources[first]))}}}' "
+                f"--num-cpus={max(1, math.ceil(num_cpus)) if num_cpus > 0 else 0}, or lower rollout.cpus_per_replica")
+    available = {}
+    for node in nodes:
+        for name, amount in node.items():
+            available[name] = available.get(name, 0.0) + amount
+    for name, amount in totals.items():
         if available.get(name, 0.0) < amount:
             raise ValueError(f"rollout.replica_resources asks for {amount:g} of Ray resource {name!r} in all, but "
-                             f"this cluster has {available.get(name, 0.0):g} (its nodes' custom resources: "
-                             f"{', '.join(custom) or 'none'}); start the node with "
-                             f"ray start --address=<head> --resources='{{\"{name}\": {max(1, int(amount))}}}'")
+                             f"this cluster has {available.get(name, 0.0):g} (its nodes: {nodes_text})")
 
 
 def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: str = "cpu",
@@ -665,7 +685,7 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
             if resources and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
                                  for v in resources.values()):
                 raise ValueError(f"replica_resources={dict(resources)}: every amount must be a number > 0")
-        _check_resources_exist(replica_resources)
+        _check_resources_exist(replica_resources, float(num_cpus))
     if mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout.mode={mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
     if mode == "hybrid":

@@ -47,12 +47,13 @@ def ensure_ray(num_cpus: Optional[int] = None, **init_kwargs) -> None:
         try:
             ray.init(address=address, **init_kwargs)
         except ConnectionError as error:
+            why = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ConnectionError(
-                f"could not join the Ray cluster at RAY_ADDRESS={address} ({str(error).splitlines()[0]}). Is the "
-                "head up at that address? A head started with `ray start --head` uses token authentication "
-                "(Ray's default): set RAY_AUTH_MODE=token here and give this machine the cluster's token (the "
-                "head's ~/.ray/auth_token, or RAY_AUTH_TOKEN); docs/architecture.md, \"Running on a Ray cluster\"."
-            ) from None
+                f"could not join the Ray cluster at RAY_ADDRESS={address} ({why}). Is the head up at that address? "
+                f"A head started with `ray start --head` uses token authentication (the default of the Ray "
+                f"installed here, {ray.__version__}): set RAY_AUTH_MODE=token here and give this machine the cluster's "
+                "token (the head's ~/.ray/auth_token, or RAY_AUTH_TOKEN); docs/architecture.md, \"Running on a Ray "
+                "cluster\"") from error
         return
     init_kwargs.setdefault("include_dashboard", False)
     ray.init(num_cpus=num_cpus, **init_kwargs)
