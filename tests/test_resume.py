@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 from async_rl.driver.checkpoint import (CheckpointError, list_checkpoints, load_newest_good, prune_checkpoints,
                                         read_checkpoint, write_checkpoint)
 from async_rl.tracking import RunLogger, rows_up_to
+from cli_hooks import SIGNAL, TORN_WRITE_THEN_KILL, cli_after_step
 
 pytestmark = pytest.mark.e2e
 
@@ -163,24 +163,7 @@ def test_fresh_logger_starts_an_empty_file(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 # Runs the CLI with RunLogger.log wrapped: after logging step KILL_AT it writes half of the next row
 # (as a kill in the middle of a write would leave it) and SIGKILLs its own process.
-KILLER = textwrap.dedent("""
-    import os, signal, sys
-    from async_rl import tracking
-    from async_rl.train import main
-
-    kill_at = int(os.environ["KILL_AT_STEP"])
-    original = tracking.RunLogger.log
-
-    def log(self, metrics, step):
-        original(self, metrics, step)
-        if step == kill_at:
-            self._file.write('{"step": %d, "actor/' % (step + 1))
-            self._file.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    tracking.RunLogger.log = log
-    main(sys.argv[1:])
-""")
+KILLER = cli_after_step(TORN_WRITE_THEN_KILL)
 
 
 def _overrides(tmp_path, run_name, *extra):
@@ -196,7 +179,7 @@ def _cli(args, kill_at=None):
     if kill_at is None:
         command = [sys.executable, "-m", "async_rl.train", *args]
     else:
-        env["KILL_AT_STEP"] = str(kill_at)
+        env["AT_STEP"] = str(kill_at)
         command = [sys.executable, "-c", KILLER, *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -327,30 +310,13 @@ def test_each_checkpoint_exports_the_policy_so_a_killed_run_has_a_model(tmp_path
 # ------------------------------------------------------------------------------------------------------
 # end to end: the CLI stopped with SIGINT / SIGTERM (issue 38, item 1), resumed
 # ------------------------------------------------------------------------------------------------------
-# Runs the CLI with RunLogger.log wrapped: after logging step SIGNAL_AT_STEP it sends itself SIGNAL (once, or
+# Runs the CLI with RunLogger.log wrapped: after logging step AT_STEP it sends itself SIGNAL (once, or
 # twice with SIGNAL_TWICE: the second one stops at once).
-SIGNALLER = textwrap.dedent("""
-    import os, signal, sys
-    from async_rl import tracking
-    from async_rl.train import main
-
-    at, sig = int(os.environ["SIGNAL_AT_STEP"]), getattr(signal, os.environ["SIGNAL"])
-    original = tracking.RunLogger.log
-
-    def log(self, metrics, step):
-        original(self, metrics, step)
-        if step == at:
-            os.kill(os.getpid(), sig)
-            if os.environ.get("SIGNAL_TWICE"):
-                os.kill(os.getpid(), sig)
-
-    tracking.RunLogger.log = log
-    main(sys.argv[1:])
-""")
+SIGNALLER = cli_after_step(SIGNAL)
 
 
 def _signalled(args, at_step, sig="SIGINT", twice=False):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "SIGNAL_AT_STEP": str(at_step),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "AT_STEP": str(at_step),
            "SIGNAL": sig, **({"SIGNAL_TWICE": "1"} if twice else {})}
     return subprocess.run([sys.executable, "-c", SIGNALLER, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)

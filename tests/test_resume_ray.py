@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from async_rl.driver.checkpoint import (SHARDS_SUFFIX, CheckpointError, list_che
                                         prune_checkpoints, read_checkpoint, remove_stale_tmp, write_checkpoint)
 from async_rl.engine import FSDPEngine, OptimizerConfig, dist
 from async_rl.models.logprobs import response_token_logprobs
+from cli_hooks import KILL, SIGNAL, cli_after_step
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -405,22 +405,7 @@ def test_replica_requests_are_checkpointed_with_their_kept_prefix_and_resubmitte
 # ------------------------------------------------------------------------------------------------------
 # end to end: 2 train ranks on Ray, the CLI killed with SIGKILL after a checkpoint, resumed
 # ------------------------------------------------------------------------------------------------------
-KILLER = textwrap.dedent("""
-    import os, signal, sys
-    from async_rl import tracking
-    from async_rl.train import main
-
-    kill_at = int(os.environ["KILL_AT_STEP"])
-    original = tracking.RunLogger.log
-
-    def log(self, metrics, step):
-        original(self, metrics, step)
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # the driver dies; Ray's workers and replicas die with it
-
-    tracking.RunLogger.log = log
-    main(sys.argv[1:])
-""")
+KILLER = cli_after_step(KILL)
 
 
 def _overrides(tmp_path, run_name, *extra):
@@ -438,7 +423,7 @@ def _cli(args, kill_at=None):
     if kill_at is None:
         command = [sys.executable, "-m", "async_rl.train", *args]
     else:
-        env["KILL_AT_STEP"] = str(kill_at)
+        env["AT_STEP"] = str(kill_at)
         command = [sys.executable, "-c", KILLER, *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
@@ -490,22 +475,7 @@ def test_two_rank_ray_run_killed_after_a_checkpoint_resumes_every_step_exactly_o
 # ------------------------------------------------------------------------------------------------------
 # end to end: the same Ray run stopped with SIGINT (Ctrl-C), then resumed (issue 38, item 1)
 # ------------------------------------------------------------------------------------------------------
-SIGNALLER = textwrap.dedent("""
-    import os, signal, sys
-    from async_rl import tracking
-    from async_rl.train import main
-
-    at = int(os.environ["SIGNAL_AT_STEP"])
-    original = tracking.RunLogger.log
-
-    def log(self, metrics, step):
-        original(self, metrics, step)
-        if step == at:
-            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C in the terminal: the driver gets it
-
-    tracking.RunLogger.log = log
-    main(sys.argv[1:])
-""")
+SIGNALLER = cli_after_step(SIGNAL)  # SIGNAL=SIGINT: as Ctrl-C in the terminal, the driver gets it
 
 
 def _processes_under(temp_dir: str) -> set[int]:
@@ -536,7 +506,8 @@ def test_ctrl_c_of_a_ray_run_checkpoints_shuts_ray_down_and_resumes(tmp_path):
     # the run's Ray instance keeps its session files in a folder of its own, which names its processes (and no
     # other Ray process on the machine); short, for unix socket paths
     ray_tmp = tempfile.mkdtemp(prefix="cc", dir="/tmp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "SIGNAL_AT_STEP": "3", "RAY_TMPDIR": ray_tmp}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "AT_STEP": "3", "SIGNAL": "SIGINT",
+           "RAY_TMPDIR": ray_tmp}
     args = _overrides(tmp_path, "ctrl-c", "trainer.scheduler=concurrent")
     try:
         stopped = subprocess.run([sys.executable, "-c", SIGNALLER, *args], cwd=REPO, env=env, capture_output=True,
