@@ -478,20 +478,6 @@ def test_two_rank_ray_run_killed_after_a_checkpoint_resumes_every_step_exactly_o
 SIGNALLER = cli_after_step(SIGNAL)  # SIGNAL=SIGINT: as Ctrl-C in the terminal, the driver gets it
 
 
-def _processes_under(temp_dir: str) -> set[int]:
-    """The Ray processes of the run's own instance: each names its session folder, under RAY_TMPDIR."""
-    import psutil
-
-    found = set()
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if temp_dir in " ".join(proc.info["cmdline"] or []):
-                found.add(proc.info["pid"])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 def test_ctrl_c_of_a_ray_run_checkpoints_shuts_ray_down_and_resumes(tmp_path):
     """LiSAO on Ray (2 train ranks for actor and critic, one hf replica, concurrent scheduler). SIGINT right after
     step 3 is logged: the run finishes that step, writes a sharded checkpoint of it, prints one line and exits 130,
@@ -501,7 +487,7 @@ def test_ctrl_c_of_a_ray_run_checkpoints_shuts_ray_down_and_resumes(tmp_path):
     import shutil
     import tempfile
 
-    import psutil
+    from async_rl.workers.local_cluster import kill_processes, processes_naming
 
     # the run's Ray instance keeps its session files in a folder of its own, which names its processes (and no
     # other Ray process on the machine); short, for unix socket paths
@@ -513,15 +499,11 @@ def test_ctrl_c_of_a_ray_run_checkpoints_shuts_ray_down_and_resumes(tmp_path):
         stopped = subprocess.run([sys.executable, "-c", SIGNALLER, *args], cwd=REPO, env=env, capture_output=True,
                                  text=True, timeout=900)
         deadline = time.monotonic() + 30
-        while _processes_under(ray_tmp) and time.monotonic() < deadline:
+        while processes_naming(ray_tmp) and time.monotonic() < deadline:
             time.sleep(0.5)
-        left = _processes_under(ray_tmp)
+        left = processes_naming(ray_tmp)  # every process of its Ray instance names its session folder
     finally:
-        for pid in _processes_under(ray_tmp):  # whatever the run left, even when an assertion below fails
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_processes(processes_naming(ray_tmp))  # whatever the run left, even when an assertion below fails
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr + stopped.stdout
