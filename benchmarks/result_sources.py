@@ -70,7 +70,6 @@ RESULT_INPUTS: dict[str, list[str]] = {
     "smollm2_recipe_time.json": ["benchmarks/tiny_recipe_time.py", "conf", "recipes/smollm2.yaml"],
     "smollm2_start.json": ["benchmarks/smollm2_start.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_start_noise0.json": ["benchmarks/smollm2_start.py", "recipes/smollm2.yaml", "conf"],
-    "smollm2_start_noise0_steps120.json": ["benchmarks/smollm2_start.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_cpu.json": ["benchmarks/smollm2_cpu.py"],
     "vllm_weight_update.json": ["benchmarks/vllm_weight_update.py"],
     "sandbox_hardening.json": ["benchmarks/sandbox_hardening.py"],
