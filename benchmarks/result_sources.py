@@ -78,7 +78,8 @@ RESULT_INPUTS: dict[str, list[str]] = {
     "stability_ablation.json": ["benchmarks/stability_map.py"],
     "lisao_demo_seeds.json": ["benchmarks/lisao_demo_seeds.py", "conf"],
     "config_error_time.json": ["benchmarks/config_error_time.py", "conf", "recipes"],
-    "tiny_recipe_time.json": ["benchmarks/tiny_recipe_time.py", "conf", "recipes", "tests/fixtures/alfworld"],
+    "tiny_recipe_time.json": ["benchmarks/tiny_recipe_time.py", "conf", "recipes/webshop_tiny.yaml",
+                              "recipes/alfworld_tiny.yaml", "tests/fixtures/alfworld"],
     "checkpoint_cost.json": ["benchmarks/checkpoint_cost.py", "conf"],
     "kl_guard_replay.json": ["benchmarks/kl_guard_replay.py", "benchmarks/results/stability_map.json"],
 }
