@@ -163,3 +163,24 @@ def test_ray_address_joins_a_cluster_instead_of_starting_one(monkeypatch):
     placement.ensure_ray(num_cpus=8, log_to_driver=False)
     assert calls == [{"address": "10.0.0.5:6380", "log_to_driver": False},
                      {"num_cpus": 8, "log_to_driver": False, "include_dashboard": False}]
+
+
+def test_a_cluster_that_cannot_be_joined_names_the_address_and_token_authentication(monkeypatch):
+    """A head started with `ray start --head` refuses a joiner without its token; Ray's own error is a retry loop
+    then "Failed to connect": ensure_ray says where it tried and which two settings a token-auth head needs."""
+    import ray
+
+    from async_rl.workers import placement
+
+    def refuse(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6380")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6380")
+    with pytest.raises(ConnectionError, match=r"RAY_ADDRESS=10.0.0.5:6380 \(Failed to connect.*RAY_AUTH_MODE=token"
+                                              r".*RAY_AUTH_TOKEN"):
+        placement.ensure_ray(num_cpus=8)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: (_ for _ in ()).throw(ConnectionError("")))
+    with pytest.raises(ConnectionError, match=r"\(ConnectionError\)"):  # an empty message still reads
+        placement.ensure_ray(num_cpus=8)
