@@ -43,6 +43,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -68,6 +69,7 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool  # Qwen2: bias on q, k, v
     qk_norm: bool  # Qwen3: RMSNorm on q and k per head
+    source_dir: Optional[str] = None  # a pretrained model to load for measuring (None: built from these numbers)
 
     @property
     def q_width(self) -> int:
@@ -100,6 +102,21 @@ class ModelShape:
 
     def num_params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
+
+
+def shape_from_config(model_dir: str, name: str) -> ModelShape:
+    """The shape of a Hugging Face Llama/Qwen2/Qwen3 checkpoint, read from its ``config.json``.
+
+    Llama's decoder layer (RMSNorm, GQA attention with RoPE, SwiGLU MLP) saves the same tensors as Qwen2's;
+    ``attention_bias`` is Qwen2's q/k/v bias."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    return ModelShape(name, hidden=config["hidden_size"], intermediate=config["intermediate_size"],
+                      layers=config["num_hidden_layers"], heads=heads, kv_heads=config.get("num_key_value_heads", heads),
+                      head_dim=config.get("head_dim") or config["hidden_size"] // heads, vocab=config["vocab_size"],
+                      tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                      qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+                      qk_norm=config.get("model_type") == "qwen3", source_dir=str(model_dir))
 
 
 # Qwen/Qwen3-4B config.json (public): hidden_size 2560, intermediate_size 9728, num_hidden_layers 36,
@@ -316,6 +333,18 @@ CHECKS: list[tuple[ModelShape, UpdateSetting]] = [
 ]
 
 
+# The real-model recipe (recipes/smollm2.yaml): 16 trajectories a step, prompts of ~80 tokens with SmolLM2's system
+# prompt padded to 96, answers of at most 24 tokens padded to 32; the trainer defaults (one micro-batch, no
+# checkpointing, log-probs in chunks of 1024 positions). SAPO's reserved readouts are the vocabulary's last ids here.
+SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "outputs" / "models" / "smollm2"
+SMOLLM2_SETTINGS: list[UpdateSetting] = [
+    UpdateSetting("actor", 1, "fp32", 16, 96, 32, None, False, 1024),
+    UpdateSetting("actor", 1, "bf16", 16, 96, 32, None, False, 1024),
+    UpdateSetting("critic", 1, "fp32", 16, 96, 32, None, False, None),
+    UpdateSetting("actor", 1, "fp32", 16, 96, 32, None, True, 1024),
+]
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -326,6 +355,11 @@ def _status_kib(field: str) -> int:
 def _build_model(shape: ModelShape):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if shape.source_dir is not None:  # a pretrained checkpoint, loaded as the trainer loads model=local
+        from async_rl.models.loading import load_causal_lm
+
+        return load_causal_lm(shape.source_dir, dtype=torch.float32, attn_implementation="sdpa")
 
     cls, cfg_cls = (Qwen3ForCausalLM, Qwen3Config) if shape.qk_norm else (Qwen2ForCausalLM, Qwen2Config)
     config = cfg_cls(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -417,7 +451,7 @@ def measure_one(shape: ModelShape, s: UpdateSetting) -> dict[str, float]:
     torch.set_num_threads(1)
     # Imports, kernel and thread-pool initialisation belong to the process, not to the model: run the same
     # update once on a throwaway model of the same family (8-wide, 1 layer, 64 ids) before the baseline.
-    throwaway = replace(shape, hidden=8, intermediate=8, layers=1, heads=2, kv_heads=1, head_dim=4, vocab=64)
+    throwaway = replace(shape, source_dir=None, hidden=8, intermediate=8, layers=1, heads=2, kv_heads=1, head_dim=4, vocab=64)
     small = replace(s, rows=1, response_len=4, prompt_len=4, max_tokens_per_micro_batch=None)
     prepare, run = _update_fn(throwaway, small)
     run(prepare(_batch(small, throwaway.vocab, seed=0)))
@@ -431,9 +465,12 @@ def measure_one(shape: ModelShape, s: UpdateSetting) -> dict[str, float]:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     steady = _status_kib("VmRSS") * 1024
+    began = time.perf_counter()
     run(prepared)
+    seconds = time.perf_counter() - began
     peak = _status_kib("VmHWM") * 1024
-    return {"measured_peak": float(peak - before_model), "measured_steady": float(steady - before_model)}
+    return {"measured_peak": float(peak - before_model), "measured_steady": float(steady - before_model),
+            "update_s": seconds}
 
 
 def measure(shape: ModelShape, s: UpdateSetting, timeout_s: float = 900.0) -> dict[str, float]:
@@ -466,14 +503,57 @@ def describe(shape: ModelShape, s: UpdateSetting) -> str:
     return ", ".join(parts)
 
 
+def compare(shape: ModelShape, settings: list[UpdateSetting]) -> list[dict]:
+    """Predicted vs measured peak per setting, each measured in a fresh process; printed as it goes."""
+    checks = []
+    for s in settings:
+        predicted = predict(shape, s)
+        measured = measure(shape, s)
+        error = predicted["peak"] / measured["measured_peak"] - 1.0
+        checks.append({"setting": describe(shape, s), "predicted_mib": predicted["peak"] / MIB,
+                       "predicted_components_mib": {k: predicted[k] / MIB for k in
+                                                    ("params", "adam", "grads", "activations", "transient",
+                                                     "gathered", "phase_a", "phase_b")},
+                       "measured_mib": measured["measured_peak"] / MIB,
+                       "measured_steady_mib": measured["measured_steady"] / MIB,
+                       "update_s_one_thread": round(measured["update_s"], 2), "relative_error": error})
+        print(f"  {describe(shape, s):62s} predicted {predicted['peak'] / MIB:7.1f}  measured "
+              f"{measured['measured_peak'] / MIB:7.1f}  ({error:+.0%}), update {measured['update_s']:.1f} s",
+              flush=True)
+    return checks
+
+
+def smollm2_check() -> None:
+    """The memory model against the real model (issue 36, item 5): SmolLM2-135M-Instruct, Llama architecture."""
+    if not (SMOLLM2_DIR / "config.json").exists():
+        raise SystemExit(f"no converted SmolLM2 in {SMOLLM2_DIR}: run `make smollm2` first")
+    shape = shape_from_config(str(SMOLLM2_DIR), "SmolLM2-135M-Instruct")
+    print(f"{shape.name}: {shape.num_params() / 1e6:.1f}e6 parameters (config.json); predicted vs measured, MiB, "
+          "one thread per update")
+    checks = compare(shape, SMOLLM2_SETTINGS)
+    result = {"model": shape.name, "shape": asdict(shape), "num_params": shape.num_params(), "checks": checks,
+              "max_abs_relative_error": max(abs(c["relative_error"]) for c in checks), "machine": _machine()}
+    result["shape"]["source_dir"] = "outputs/models/smollm2"
+    print(f"largest |error| {result['max_abs_relative_error']:.0%} (target: within 25%)")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "memory_model_smollm2.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {RESULTS / 'memory_model_smollm2.json'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--predict", action="store_true", help="recipes table only, no measurement")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="predict and measure updates of the real model (outputs/models/smollm2, make smollm2) "
+                             "at the real-model recipe's sizes; saves results/memory_model_smollm2.json")
     parser.add_argument("--measure-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_one:
         spec = json.loads(args.measure_one)
         print(json.dumps(measure_one(ModelShape(**spec["shape"]), UpdateSetting(**spec["setting"]))))
+        return
+    if args.smollm2:
+        smollm2_check()
         return
 
     print(f"Qwen3-4B: {QWEN3_4B.num_params() / 1e9:.2f}e9 parameters; one 8 x 80 GB node")
@@ -486,16 +566,7 @@ def main() -> None:
     if not args.predict:
         print("\npredicted vs measured (CPU, world size 1; MiB; measured = peak RSS of the update minus RSS "
               "before the model was built)")
-        checks = []
-        for shape, s in CHECKS:
-            predicted = predict(shape, s)["peak"]
-            measured = measure(shape, s)
-            error = predicted / measured["measured_peak"] - 1.0
-            checks.append({"setting": describe(shape, s), "predicted_mib": predicted / MIB,
-                           "measured_mib": measured["measured_peak"] / MIB,
-                           "measured_steady_mib": measured["measured_steady"] / MIB, "relative_error": error})
-            print(f"  {describe(shape, s):62s} predicted {predicted / MIB:7.1f}  measured "
-                  f"{measured['measured_peak'] / MIB:7.1f}  ({error:+.0%})", flush=True)
+        checks = [check for shape, setting in CHECKS for check in compare(shape, [setting])]
         result["checks"] = checks
         result["max_abs_relative_error"] = max(abs(c["relative_error"]) for c in checks)
         result["machine"] = _machine()

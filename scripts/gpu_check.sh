@@ -11,10 +11,12 @@
 #    worker groups, the replica on the GPU), 24 steps: its reward must rise (mean success of the last 6 steps
 #    >= the first 6 + 0.10; the CPU vLLM demo went 0.38 -> 0.75 in 20 steps), then prints its tokens/s and
 #    update latency from metrics.jsonl.
-# 5. the same run with rollout.mode=hybrid (our hf engine inside the CUDA train rank, docs/rollout.md §8).
+# 5. the same run with rollout.mode=hybrid (our hf engine inside the CUDA train rank, docs/rollout.md §8);
+# 6. vLLM in the hybrid engine: sleep frees GPU memory, an update wakes it, every request keeps its returned tokens
+#    and later tokens carry the new version -- scripts/gpu_check_sleep.py.
 # Not covered on one GPU: rollout.weight_sync=checkpoint_manager rollout.checkpoint_backend=nccl needs the
 # trainer and the vLLM replica on two different GPUs (NCCL refuses two ranks on one device; docs/rollout.md §9).
-# Worst-case time: the step timeouts add up to 200 + 60 + 100 + 180 + 60 = 600 s.
+# Worst-case time: the step timeouts add up to 200 + 30 + 100 + 150 + 50 + 70 = 600 s.
 # Every step has its own timeout; the script goes on after a failed step and exits non-zero at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +43,7 @@ PY
 
 MODEL=outputs/gpu_check/tiny-h256
 step "build the tiny model ($MODEL)"
-timeout 60 python -m async_rl.models.tiny --out "$MODEL" --hidden-size 256 --num-heads 4 --num-kv-heads 2 \
+timeout 30 python -m async_rl.models.tiny --out "$MODEL" --hidden-size 256 --num-heads 4 --num-kv-heads 2 \
   --intermediate-size 512 || fail "tiny model"
 
 step "vLLM replica: tokens/s, in-flight update latency, log-prob agreement"
@@ -50,7 +52,7 @@ PYTHONUNBUFFERED=1 timeout 100 python scripts/gpu_check_vllm.py --model "$MODEL"
 
 RUN=gpu-check-li2sao-vllm
 step "short async Li2SAO run: rollout.engine=vllm rollout.replicas=1"
-PYTHONUNBUFFERED=1 timeout 180 python -m async_rl.train --config-name demo trainer.workers=ray \
+PYTHONUNBUFFERED=1 timeout 150 python -m async_rl.train --config-name demo trainer.workers=ray \
   trainer.scheduler=concurrent trainer.device=cpu rollout.device=cuda rollout.engine=vllm rollout.replicas=1 \
   model.dir=outputs/gpu_check/tiny-demo-h256 model.hidden_size=256 algorithm.train_batch_trajectories=16 \
   trainer.driver.total_steps=24 trainer.wandb=false trainer.run_name=$RUN trainer.output_dir=outputs/gpu_check \
@@ -74,11 +76,14 @@ PY
 
 RUN=gpu-check-li2sao-hybrid
 step "short async Li2SAO run: rollout.mode=hybrid (hf engine inside the train rank, on the GPU)"
-PYTHONUNBUFFERED=1 timeout 60 python -m async_rl.train --config-name demo trainer.workers=ray \
+PYTHONUNBUFFERED=1 timeout 50 python -m async_rl.train --config-name demo trainer.workers=ray \
   trainer.scheduler=concurrent trainer.device=cuda rollout.mode=hybrid \
   model.dir=outputs/gpu_check/tiny-demo-h256 model.hidden_size=256 algorithm.train_batch_trajectories=16 \
   trainer.driver.total_steps=8 trainer.wandb=false trainer.run_name=$RUN trainer.output_dir=outputs/gpu_check \
   || fail "async Li2SAO run, hybrid hf on CUDA"
+
+step "vLLM in the hybrid engine: sleep and wake-up on the GPU"
+PYTHONUNBUFFERED=1 timeout 70 python scripts/gpu_check_sleep.py --model "$MODEL" || fail "vLLM sleep / wake-up"
 
 step "done (exit status $FAILED)"
 exit $FAILED

@@ -1,5 +1,5 @@
 """rollout.mode=hybrid: the hf engine fused into the train ranks (verl's RolloutReplica.init_hybrid), served by an
-HFHybridServer, driven by the same ReplicaPool and schedulers as standalone replicas."""
+HybridServer, driven by the same ReplicaPool and schedulers as standalone replicas."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.ray
 def test_hybrid_settings_are_checked_before_anything_starts():
     from async_rl.rollout.client import ReplicaSettings
 
-    assert ReplicaSettings.from_config({"mode": "hybrid"}).mode == "hybrid"  # hf: supported
-    with pytest.raises(ValueError, match="rollout.mode=hybrid runs the hf engine inside the train workers; "
-                                         "verl's vllm hybrid engine needs verl's own ActorRolloutRefWorker"):
-        ReplicaSettings.from_config({"mode": "hybrid", "engine": "vllm"})
+    assert ReplicaSettings.from_config({"mode": "hybrid"}).mode == "hybrid"  # hf: supported (vllm: test_vllm_hybrid)
+    with pytest.raises(ValueError, match="rollout.mode=hybrid runs the hf or vllm engine inside the train workers; "
+                                         "verl's sglang hybrid engine needs verl's own ActorRolloutRefWorker"):
+        ReplicaSettings.from_config({"mode": "hybrid", "engine": "sglang"})
     with pytest.raises(ValueError, match=r"rollout.replicas=2 but trainer.train_workers=1; set them equal"):
         ReplicaSettings(mode="hybrid", replicas=2).check_placement(1)
     ReplicaSettings(mode="standalone", replicas=2).check_placement(1)  # standalone: any number

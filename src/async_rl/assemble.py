@@ -155,9 +155,11 @@ def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerCo
     groups = make_worker_groups(
         "colocated" if hybrid else "disaggregated", spec.train_workers, None if hybrid else 0, spec.model_path,
         actor_kwargs=actor_kwargs,
-        # hybrid replicas keep their own weight copy (RolloutWorker.hybrid_info says why)
+        # hybrid replicas keep their own weight copy (RolloutWorker.hybrid_info says why); a vLLM one is built with
+        # the run's vLLM settings
         rollout_kwargs={"torch_threads": torch.get_num_threads() if spec.device == "cpu" else None,
-                        "share_actor_weights": False},
+                        "share_actor_weights": False, "engine": spec.rollout.engine,
+                        "engine_options": spec.rollout.vllm_engine_options() if spec.rollout.engine == "vllm" else None},
         critic_kwargs={"optim": critic_optim, "freeze_attention": algo.freeze_critic_attention,
                        "training": spec.training},
         with_critic=algo.use_critic and not sapo, actor_worker="sapo" if sapo else "actor",

@@ -664,16 +664,17 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
                     replica_resources: Optional[Sequence[Optional[Mapping[str, float]]]] = None) -> list[Any]:
     """Build ``num_replicas`` replicas of ``engine`` through verl's registry and start them.
 
-    ``mode="standalone"``: each replica in its own process(es) (``init_standalone``). ``mode="hybrid"`` (hf only):
-    replica ``r`` serves the rollout engine fused into train rank ``r`` of ``worker_group`` (verl's
-    ``init_hybrid``; the fused group of ``make_worker_groups("colocated", ...)``), so ``num_replicas`` must equal
-    its world size; ``device``/``dtype``/``num_cpus`` are then the train workers' own.
+    ``mode="standalone"``: each replica in its own process(es) (``init_standalone``). ``mode="hybrid"`` (hf or
+    vllm): replica ``r`` serves the rollout engine fused into train rank ``r`` of ``worker_group`` (verl's
+    ``init_hybrid``; the fused group of ``make_worker_groups("colocated", ...)``, whose RolloutWorkers were built for
+    ``engine``), so ``num_replicas`` must equal its world size; ``device``/``dtype``/``num_cpus`` and the engine
+    options are then the train workers' own.
     ``replica_resources[r]``: custom Ray resources replica ``r``'s server actor also reserves (hf and vllm,
     standalone), e.g. ``{"rollout_node_1": 1}`` to pin it to the node that was started with that resource.
     """
     from verl.workers.config import HFModelConfig, RolloutConfig
 
-    from async_rl.rollout.replicas import HFReplica, replica_class
+    from async_rl.rollout.replicas import HFReplica, HybridReplica, replica_class
 
     if num_replicas < 1:
         raise ValueError(f"rollout.replicas must be >= 1, got {num_replicas}")
@@ -693,7 +694,7 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
             raise ValueError("rollout.mode=hybrid needs the train worker group the replicas live in (worker_group=)")
         ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode).validate()  # hf only, with the reason
         ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode).check_placement(len(worker_group.workers))
-    cls = replica_class(engine)
+    cls = HybridReplica if mode == "hybrid" else replica_class(engine)
     from verl.workers.config import CheckpointEngineConfig
 
     from async_rl.rollout.checkpoint_engine import BACKEND_NAME

@@ -1,9 +1,11 @@
-"""``rollout.mode=hybrid``: the hf rollout engine inside the training processes, behind verl's server methods.
+"""``rollout.mode=hybrid``: the rollout engine inside the training processes, behind verl's server methods.
 
 As in verl's hybrid engine (``RolloutMode.HYBRID``, ``RolloutReplica.init_hybrid(worker_group)``), rollout and
 training share each train rank's process and device and take turns. The engine is the
-:class:`~async_rl.workers.rollout_worker.RolloutWorker` role fused with the actor (its ``hybrid_*`` methods),
-with its own weight copy refreshed in memory at each publication. The server, :class:`HFHybridServer` (one small
+:class:`~async_rl.workers.rollout_worker.RolloutWorker` role fused with the actor (its ``hybrid_*`` methods): the hf
+engine, or vLLM stepped from the rank (:class:`~async_rl.rollout.vllm_stepped.VLLMSteppedEngine`, its engine core a
+child process of the rank), with its own weight copy refreshed from the rank's memory at each publication. The
+server, :class:`HybridServer` (one small
 async Ray actor per rank), has the standalone server's methods, so
 :class:`~async_rl.rollout.client.ReplicaPool` and both schedulers drive it unchanged; it pumps the engine one
 chunk per call. Tokens sampled between an update and its publication keep the old version, as Li2SAO's switch
@@ -27,8 +29,8 @@ from async_rl.rollout.server_base import ReplicaBrokenError, ServerBookkeeping
 ROLLOUT_METHOD_PREFIX = "rollout_fwmn_"
 
 
-class HFHybridServer(ServerBookkeeping):
-    """verl rollout-server methods for the hf engine fused into train rank ``replica_rank`` (a Ray async actor).
+class HybridServer(ServerBookkeeping):
+    """verl rollout-server methods for the engine fused into train rank ``replica_rank`` (a Ray async actor).
 
     Args:
         worker: the train rank's fused worker (an actor handle with verl's ``_fuw_execute``).
@@ -83,7 +85,7 @@ class HFHybridServer(ServerBookkeeping):
                        **unsupported: Any) -> VersionedTokenOutput:
         """Token-in/token-out generation of one request; returns when it finishes (or is aborted)."""
         if any(value is not None for value in unsupported.values()):
-            raise ValueError(f"the hf replica has no multimodal/priority inputs; got {sorted(unsupported)}")
+            raise ValueError(f"the hybrid replica takes no multimodal/priority inputs; got {sorted(unsupported)}")
         request = GenerationRequest(request_id, [int(t) for t in prompt_ids], sampling_from_server_dict(sampling_params))
         await self._ensure_started()
         self._raise_if_broken()
@@ -231,7 +233,8 @@ class HFHybridServer(ServerBookkeeping):
         self._queued = []
 
     def describe(self) -> str:
-        return f"hybrid hf replica {self.replica_rank} (train rank pid {self._info.get('pid')})"
+        return (f"hybrid {self._info.get('engine', '')} replica {self.replica_rank} (train rank pid "
+                f"{self._info.get('pid')})").replace("  ", " ")
 
 
-__all__ = ["HFHybridServer", "ROLLOUT_METHOD_PREFIX"]
+__all__ = ["HybridServer", "ROLLOUT_METHOD_PREFIX"]

@@ -1,5 +1,7 @@
 """The verl ``RolloutReplica`` classes and the engine lookup: the top of ``rollout/`` (it imports the servers in
-``replica``, ``hybrid`` and ``vllm_engine``; none of them imports this module)."""
+``replica``, ``hybrid`` and ``vllm_engine``; none of them imports this module). Standalone replicas by engine
+(:class:`HFReplica`, :class:`~async_rl.rollout.vllm_engine.VLLMReplica`); :class:`HybridReplica` for
+``rollout.mode=hybrid`` whatever engine the train ranks hold."""
 
 from __future__ import annotations
 
@@ -10,21 +12,19 @@ from typing import Any, Optional
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
-from async_rl.rollout.hybrid import HFHybridServer
+from async_rl.rollout.hybrid import HybridServer
 from async_rl.rollout.replica import ENGINE_NAMES, HFRolloutServer, ReplicaBrokenError
 from async_rl.rollout.server_base import OwnProcessReplica
 from async_rl.rollout.vllm_engine import VLLMReplica, require_vllm
 
 
 class HFReplica(OwnProcessReplica):
-    """verl ``RolloutReplica`` for the transformers engine (registered as ``"hf"``).
+    """verl ``RolloutReplica`` for the transformers engine (registered as ``"hf"``), ``rollout.mode=standalone``.
 
-    ``rollout.mode=standalone`` (:meth:`init_standalone`): verl's version asks for GPU bundles and a
-    ``CheckpointEngineWorker``; we override it to launch one :class:`HFRolloutServer` actor with ``num_cpus``
-    CPUs (and one GPU when ``device="cuda"``), because this engine loads weights in its own process.
-    ``rollout.mode=hybrid`` (verl's :meth:`init_hybrid`, unchanged): the engine is the RolloutWorker fused into
-    a train rank's process and an :class:`~async_rl.rollout.hybrid.HFHybridServer` serves it. Tensor/pipeline/data parallelism inside a replica is not
-    supported (one process per replica): ``config.tensor_model_parallel_size`` etc. must be 1.
+    :meth:`init_standalone`: verl's version asks for GPU bundles and a ``CheckpointEngineWorker``; we override it to
+    launch one :class:`HFRolloutServer` actor with ``num_cpus`` CPUs (and one GPU when ``device="cuda"``), because
+    this engine loads weights in its own process. Tensor/pipeline/data parallelism inside a replica is not supported
+    (one process per replica): ``config.tensor_model_parallel_size`` etc. must be 1.
     """
 
     KIND = "hf"
@@ -42,13 +42,7 @@ class HFReplica(OwnProcessReplica):
         self.torch_threads = torch_threads
         self.chunk_tokens = chunk_tokens
 
-    # init_hybrid(worker_group) is verl's, unchanged: it keeps this replica's slice of the fused train workers in
-    # self.workers and calls launch_servers, which then starts an HFHybridServer in front of them.
-
     async def launch_servers(self) -> None:
-        if self.rollout_mode == RolloutMode.HYBRID:
-            await self._launch_hybrid_server()
-            return
         model_path = getattr(self.model_config, "local_path", None) or getattr(self.model_config, "path")
         await self._start_own_server(
             HFRolloutServer, "ping", str(model_path), replica_rank=self.replica_rank, device=self.device,
@@ -56,17 +50,36 @@ class HFReplica(OwnProcessReplica):
             initial_version=self.initial_version, checkpoint_backend=self.config.checkpoint_engine.backend,
             checkpoint_bucket_megabytes=self.config.checkpoint_engine.update_weights_bucket_megabytes)
 
-    async def _launch_hybrid_server(self) -> None:
-        """``rollout.mode=hybrid``: one :class:`~async_rl.rollout.hybrid.HFHybridServer` (no CPU reserved, on the
-        train rank's node) in front of the RolloutWorker fused into that rank's process."""
+
+class HybridReplica(RolloutReplica):
+    """verl ``RolloutReplica`` for ``rollout.mode=hybrid``, any engine: the engine (hf or vLLM) is the RolloutWorker
+    fused into train rank ``replica_rank``'s process, and one :class:`~async_rl.rollout.hybrid.HybridServer` serves
+    it. verl's :meth:`init_hybrid` (unchanged) keeps this replica's slice of the fused train workers in
+    ``self.workers`` and calls :meth:`launch_servers`."""
+
+    KIND = "hybrid"
+
+    def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 1, *, chunk_tokens: int = 4,
+                 name_prefix: str = "async_rl", start_timeout_s: float = 600.0) -> None:
+        super().__init__(replica_rank, config, model_config, gpus_per_node=max(1, gpus_per_node))
+        self.chunk_tokens, self.name_prefix, self.start_timeout_s = chunk_tokens, name_prefix, start_timeout_s
+
+    async def init_standalone(self) -> None:
+        raise RuntimeError("a hybrid replica lives in a train rank: start it with init_hybrid(worker_group)")
+
+    async def launch_servers(self) -> None:
+        """One :class:`~async_rl.rollout.hybrid.HybridServer` (no CPU reserved, on the train rank's node) in front
+        of the RolloutWorker fused into that rank's process."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        if self.rollout_mode != RolloutMode.HYBRID:
+            raise RuntimeError("HybridReplica serves rollout.mode=hybrid only (init_hybrid)")
         if len(self.workers) != 1:
-            raise ValueError(f"hybrid hf replica {self.replica_rank} runs on one train rank, got {len(self.workers)}")
+            raise ValueError(f"hybrid replica {self.replica_rank} runs on one train rank, got {len(self.workers)}")
         worker = self.workers[0]
         node = await worker.__ray_call__.remote(lambda actor: ray.get_runtime_context().get_node_id())
-        server = ray.remote(HFHybridServer).options(
-            name=f"{self.name_prefix}_hf_hybrid_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
+        server = ray.remote(HybridServer).options(
+            name=f"{self.name_prefix}_hybrid_server_{self.replica_rank}_{os.getpid()}_{id(self) & 0xffff:x}",
             max_concurrency=self.max_concurrency, num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         ).remote(worker, replica_rank=self.replica_rank, chunk_tokens=self.chunk_tokens)
@@ -74,7 +87,7 @@ class HFReplica(OwnProcessReplica):
             await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
         except asyncio.TimeoutError:
             ray.kill(server, no_restart=True)
-            raise RuntimeError(f"hybrid hf replica {self.replica_rank} did not answer within "
+            raise RuntimeError(f"hybrid replica {self.replica_rank} did not answer within "
                                f"{self.start_timeout_s:g} s (its train rank is busy or gone)") from None
         except ReplicaBrokenError as error:
             ray.kill(server, no_restart=True)
@@ -84,6 +97,9 @@ class HFReplica(OwnProcessReplica):
                                f"rank") from error
         self.servers = [server]
         self._server_handle = server
+
+    async def update_weights(self, published: dict[str, Any], version: int) -> dict[str, float]:
+        return await self._server_handle.update_weights.remote(published, version)
 
 
 def _load_hf() -> type[RolloutReplica]:
@@ -111,4 +127,4 @@ def replica_class(engine: str) -> type[RolloutReplica]:
                            f"machine, or use rollout.engine=hf") from error
 
 
-__all__ = ["HFReplica", "replica_class"]
+__all__ = ["HFReplica", "HybridReplica", "replica_class"]

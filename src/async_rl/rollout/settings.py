@@ -91,10 +91,10 @@ class ReplicaSettings:
             raise ValueError(f"rollout.replicas must be >= 1, got {self.replicas}")
         if self.mode not in ROLLOUT_MODES:
             raise ValueError(f"rollout.mode={self.mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
-        if self.mode == "hybrid" and self.engine != "hf":
-            raise ValueError(f"rollout.mode=hybrid runs the hf engine inside the train workers; verl's {self.engine} "
-                             f"hybrid engine needs verl's own ActorRolloutRefWorker, which async_rl does not use. Use "
-                             f"rollout.engine=hf, or rollout.mode=standalone with {self.engine}")
+        if self.mode == "hybrid" and self.engine not in ("hf", "vllm"):
+            raise ValueError(f"rollout.mode=hybrid runs the hf or vllm engine inside the train workers; verl's "
+                             f"{self.engine} hybrid engine needs verl's own ActorRolloutRefWorker, which async_rl does "
+                             f"not use. Use rollout.engine=hf or vllm, or rollout.mode=standalone with {self.engine}")
         if int(self.chunk_tokens) < 1:
             raise ValueError(f"rollout.chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if float(self.cpus_per_replica) < 0:
@@ -119,6 +119,10 @@ class ReplicaSettings:
             require_vllm()
         if self.vllm_kv_on_update not in ("recompute", "stale"):
             raise ValueError(f"rollout.vllm_kv_on_update={self.vllm_kv_on_update!r}; valid choices: recompute, stale")
+        if self.mode == "hybrid" and self.engine == "vllm" and self.vllm_kv_on_update != "recompute":
+            raise ValueError("rollout.mode=hybrid with vllm recomputes a kept prefix's KV after every update (its engine "
+                             "is stopped while the rank trains); rollout.vllm_kv_on_update=stale needs "
+                             "rollout.mode=standalone")
         if int(self.vllm_kv_cache_memory_bytes) <= 0 or not 0 < float(self.vllm_gpu_memory_utilization) <= 1:
             raise ValueError("rollout.vllm_kv_cache_memory_bytes must be > 0 and rollout.vllm_gpu_memory_utilization "
                              "in (0, 1]")

@@ -135,6 +135,21 @@ class WorkerExtension:
         return os.getpid()
 
 
+def write_weights_file(state: dict[str, torch.Tensor], tag: str) -> str:
+    """Write ``state`` as safetensors in this node's shared memory (``/dev/shm``, else the temp dir) for vLLM's worker
+    (:meth:`WorkerExtension.async_rl_load_weights`, a child process on this node) and return the path; the caller
+    deletes it. A tied ``lm_head.weight`` (the embedding's own tensor) is left out: vLLM ties it again."""
+    from safetensors.torch import save_file
+
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(directory, f"async_rl_vllm_{tag}.safetensors")
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()
+               if not (name == "lm_head.weight" and "model.embed_tokens.weight" in state
+                       and t.data_ptr() == state["model.embed_tokens.weight"].data_ptr())}
+    save_file(tensors, path)
+    return path
+
+
 # vLLM's finish reasons (``vllm.v1.engine.FINISH_REASON_STRINGS``) -> ours. "abort" is ours only when we asked for it
 # (``abort_requests``, a pause); "error" is a request-level engine fault (vLLM: "retryable internal error", e.g. a
 # failed KV load or a request the engine core could not pre-process): the request fails, never resubmitted, never
@@ -178,6 +193,26 @@ def startup_error_line(error: BaseException) -> str:
     return f"vLLM failed to start: {text.splitlines()[0][:300]}"
 
 
+def vllm_sampling_params(sampling: SamplingParams, remaining: int, seed_offset: int, vocab_size: int):
+    """vLLM's ``SamplingParams`` for one submission of a request: ``remaining`` tokens to go, cumulative outputs with
+    the processed log-prob of every sampled token, our stop rules; a resubmission's seed moves by ``seed_offset``
+    and banned ids become ``allowed_token_ids`` over ``vocab_size``."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kwargs: dict[str, Any] = dict(
+        temperature=float(sampling.temperature), top_p=float(sampling.top_p), max_tokens=int(remaining),
+        logprobs=0, output_kind=RequestOutputKind.CUMULATIVE, ignore_eos=bool(sampling.ignore_eos),
+        stop=list(sampling.stop_strings) or None, stop_token_ids=list(sampling.stop_token_ids) or None,
+        include_stop_str_in_output=True, skip_special_tokens=True)
+    if sampling.seed is not None:
+        kwargs["seed"] = int(sampling.seed) + seed_offset
+    if sampling.banned_token_ids:
+        banned = set(sampling.banned_token_ids)
+        kwargs["allowed_token_ids"] = [t for t in range(vocab_size) if t not in banned]
+    return VSamplingParams(**kwargs)
+
+
 class _Request:
     """One request's tokens on this server, across vLLM submissions (recompute mode resubmits)."""
 
@@ -195,6 +230,25 @@ class _Request:
         self.cancel_event = asyncio.Event()
         self.vllm_id: Optional[str] = None  # the external id of the submission running in vLLM now
         self.cached_tokens: list[int] = []  # prompt tokens vLLM served from its prefix cache, per submission
+
+
+def finished_output(state: "_Request", tokenizer) -> GenerationOutput:
+    """A finished request's output. Stop strings by our rule (the shortest prefix whose decoded text holds one):
+    vLLM matches them on its incremental detokenization and may report the hit a token later. An engine fault
+    stays one."""
+    found = None if state.stop_detail == ENGINE_ERROR else \
+        first_stop_string(state.token_ids, tokenizer, state.request.sampling.stop_strings)
+    if found is not None:
+        cut, state.stop_detail = found
+        state.token_ids, state.logprobs, state.versions = (state.token_ids[:cut], state.logprobs[:cut],
+                                                           state.versions[:cut])
+        state.finish = "stop"
+    text = tokenizer.decode(state.token_ids, skip_special_tokens=True) if state.token_ids else ""
+    stop_detail = state.stop_detail if state.finish == "stop" or state.stop_detail == ENGINE_ERROR else None
+    if state.finish == "stop" and stop_detail is None and state.token_ids:
+        stop_detail = state.token_ids[-1]  # an eos / stop token (vLLM reports None for eos)
+    return GenerationOutput(state.request.request_id, list(state.request.prompt_ids), list(state.token_ids),
+                            list(state.logprobs), list(state.versions), state.finish, text, stop_detail)
 
 
 class VLLMRolloutServer(ServerBookkeeping):
@@ -251,20 +305,7 @@ class VLLMRolloutServer(ServerBookkeeping):
 
     # ------------------------------------------------------------------ generation
     def _vllm_params(self, sampling: SamplingParams, remaining: int, seed_offset: int):
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        kwargs: dict[str, Any] = dict(
-            temperature=float(sampling.temperature), top_p=float(sampling.top_p), max_tokens=int(remaining),
-            logprobs=0, output_kind=RequestOutputKind.CUMULATIVE, ignore_eos=bool(sampling.ignore_eos),
-            stop=list(sampling.stop_strings) or None, stop_token_ids=list(sampling.stop_token_ids) or None,
-            include_stop_str_in_output=True, skip_special_tokens=True)
-        if sampling.seed is not None:
-            kwargs["seed"] = int(sampling.seed) + seed_offset
-        if sampling.banned_token_ids:
-            banned = set(sampling.banned_token_ids)
-            kwargs["allowed_token_ids"] = [t for t in range(len(self.tokenizer)) if t not in banned]
-        return VSamplingParams(**kwargs)
+        return vllm_sampling_params(sampling, remaining, seed_offset, len(self.tokenizer))
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                        **unsupported: Any) -> VersionedTokenOutput:
@@ -351,21 +392,7 @@ class VLLMRolloutServer(ServerBookkeeping):
                 waiter.cancel()
 
     def _output(self, state: _Request) -> GenerationOutput:
-        # stop strings by our rule (the shortest prefix whose decoded text holds one): vLLM matches them on its
-        # incremental detokenization and may report the hit a token later. An engine fault stays one.
-        found = None if state.stop_detail == ENGINE_ERROR else \
-            first_stop_string(state.token_ids, self.tokenizer, state.request.sampling.stop_strings)
-        if found is not None:
-            cut, state.stop_detail = found
-            state.token_ids, state.logprobs, state.versions = (state.token_ids[:cut], state.logprobs[:cut],
-                                                               state.versions[:cut])
-            state.finish = "stop"
-        text = self.tokenizer.decode(state.token_ids, skip_special_tokens=True) if state.token_ids else ""
-        stop_detail = state.stop_detail if state.finish == "stop" or state.stop_detail == ENGINE_ERROR else None
-        if state.finish == "stop" and stop_detail is None and state.token_ids:
-            stop_detail = state.token_ids[-1]  # an eos / stop token (vLLM reports None for eos)
-        return GenerationOutput(state.request.request_id, list(state.request.prompt_ids), list(state.token_ids),
-                                list(state.logprobs), list(state.versions), state.finish, text, stop_detail)
+        return finished_output(state, self.tokenizer)
 
     def _reply(self, output: GenerationOutput, state: Optional[_Request]) -> VersionedTokenOutput:
         return versioned_reply(output, self.replica_rank, self.version)
@@ -426,14 +453,7 @@ class VLLMRolloutServer(ServerBookkeeping):
     async def load_state(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Write ``state`` to this node's shared memory, load it in vLLM's worker (a child process of this actor, so
         on the same node), tag later tokens with ``version``."""
-        from safetensors.torch import save_file
-
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(directory, f"async_rl_vllm_{os.getpid()}_{self.replica_rank}_{version}.safetensors")
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()
-                   if not (name == "lm_head.weight" and "model.embed_tokens.weight" in state
-                           and t.data_ptr() == state["model.embed_tokens.weight"].data_ptr())}
-        await asyncio.to_thread(save_file, tensors, path)
+        path = await asyncio.to_thread(write_weights_file, state, f"{os.getpid()}_{self.replica_rank}_{version}")
         try:
             counts = await self.llm.collective_rpc("async_rl_load_weights", args=(path,))
         finally:

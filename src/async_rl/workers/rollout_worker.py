@@ -126,7 +126,8 @@ def outputs_from_proto(proto: DataProto):
 
 
 class RolloutWorker(RoleWorker):
-    """One rollout engine (:class:`HFRolloutEngine`) per worker.
+    """One rollout engine per worker: :class:`HFRolloutEngine` (``engine="hf"``) or vLLM stepped in this process's
+    child (``engine="vllm"``, :class:`~async_rl.rollout.vllm_stepped.VLLMSteppedEngine`, always its own weights).
 
     Disaggregated: the engine loads its own weights and receives new ones through
     :meth:`update_weights` (a state dict or an object-store ref, with the policy version).
@@ -137,8 +138,13 @@ class RolloutWorker(RoleWorker):
     """
 
     def __init__(self, model_path: str, dtype: Optional[str] = None, torch_threads: Optional[int] = 1,
-                 device: Optional[str] = None, share_actor_weights: bool = True, initial_version: int = 0):
+                 device: Optional[str] = None, share_actor_weights: bool = True, initial_version: int = 0,
+                 engine: str = "hf", engine_options: Optional[dict] = None):
         super().__init__(torch_threads=torch_threads, device=device)
+        if engine not in ("hf", "vllm"):
+            raise ValueError(f"RolloutWorker engine={engine!r}; valid choices: hf, vllm")
+        self.engine_name = engine
+        self.engine_options = dict(engine_options or {})
         self.model_path = str(model_path)
         self.dtype = dtype
         self.share_actor_weights = share_actor_weights
@@ -160,13 +166,21 @@ class RolloutWorker(RoleWorker):
         if actor is not None and actor.role is None:
             raise RuntimeError("colocated RolloutWorker.init_model: initialise the actor first")
         device = torch.device("cpu") if self.device_type == "cpu" else dist.current_device()
-        if actor is not None and self.share_actor_weights and not actor.role.engine.is_sharded:
+        if self.engine_name == "vllm":
+            from async_rl.rollout.vllm_stepped import VLLMSteppedEngine
+
+            self.mode = "colocated-copy" if actor is not None else "own-weights"
+            self.engine = VLLMSteppedEngine(self.model_path, device="cpu" if self.device_type == "cpu" else "cuda",
+                                            initial_version=self.initial_version,
+                                            engine_options={"dtype": self.dtype, **self.engine_options})
+        elif actor is not None and self.share_actor_weights and not actor.role.engine.is_sharded:
             model, self.mode = actor.role.engine.module, "shared-module"
             device = actor.role.engine.device
         else:
             model = load_causal_lm(self.model_path, dtype=self.dtype, device="cpu")
             self.mode = "colocated-copy" if actor is not None else "own-weights"
-        self.engine = HFRolloutEngine(model, tokenizer, device=device, initial_version=self.initial_version)
+        if self.engine is None:
+            self.engine = HFRolloutEngine(model, tokenizer, device=device, initial_version=self.initial_version)
         if actor is not None:
             self._synced_update_count = actor.update_count
             if self.mode == "colocated-copy":  # the actor may differ from the checkpoint (rank 0 broadcast)
@@ -237,7 +251,7 @@ class RolloutWorker(RoleWorker):
         return self.engine.policy_version
 
     # ---------------------------------------------------------------- rollout.mode=hybrid (docs/rollout.md §8)
-    # Called one at a time by this rank's HFHybridServer (async_rl.rollout.hybrid) through the fused worker's
+    # Called one at a time by this rank's HybridServer (async_rl.rollout.hybrid) through the fused worker's
     # ``_fuw_execute``; the worker's actor queue serialises them with the training calls, so generation and
     # training take turns on the shared device. Not worker-group methods: each rank serves its own replica.
 
@@ -252,7 +266,7 @@ class RolloutWorker(RoleWorker):
                                f"own weight copy: build the colocated groups with "
                                f"rollout_kwargs={{'share_actor_weights': False}}")
         return {"pid": os.getpid(), "rank": self.rank, "mode": self.mode, "device": str(self.engine.device),
-                "version": self.engine.policy_version}
+                "version": self.engine.policy_version, "engine": self.engine_name}
 
     def _hybrid_admit(self, requests: list) -> dict[Any, str]:
         """Admit requests into the engine; one bad request fails alone (its id -> the error message)."""

@@ -1,0 +1,197 @@
+"""rollout.mode=hybrid with vLLM (issue 37, item 7): vLLM stepped from the train rank (VLLMSteppedEngine), the same
+in-flight semantics as the hf engine and the standalone vLLM server, and the concurrent driver learning in this mode.
+
+One engine is shared by the engine-level tests (vLLM starts in 15-60 s here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from async_rl.rollout.base import GenerationRequest, SamplingParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory):
+    """The tiny model at head_dim 32 (vLLM's CPU minimum)."""
+    from async_rl.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("vllm_hybrid") / "m", hidden_size=64, num_layers=2,
+                               num_heads=2, num_kv_heads=1))
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_model):
+    from async_rl.rollout.vllm_stepped import VLLMSteppedEngine
+
+    engine = VLLMSteppedEngine(vllm_model, engine_options={"kv_cache_memory_bytes": 64 << 20, "max_model_len": 512})
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture()
+def fresh(engine, vllm_model):
+    """The shared engine back at the checkpoint's weights as version 0, with nothing unfinished."""
+    from async_rl.models.loading import load_causal_lm
+
+    engine.abort()
+    engine.update_weights(load_causal_lm(vllm_model).state_dict(), 0)
+    return engine
+
+
+def _request(rid, prompt, max_new_tokens, seed=0):
+    return GenerationRequest(rid, list(prompt), SamplingParams(max_new_tokens=max_new_tokens, seed=seed,
+                                                               ignore_eos=True))
+
+
+def _teacher_forced(model_path, state, prompt, tokens):
+    from async_rl.models.loading import load_causal_lm
+
+    model = load_causal_lm(model_path, dtype="float32")
+    if state is not None:
+        model.load_state_dict(state)
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+    return torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None]).squeeze(1)
+
+
+def _perturbed(model_path, seed, scale=0.5):
+    from async_rl.models.loading import load_causal_lm
+
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=generator)
+            for k, v in load_causal_lm(model_path).state_dict().items()}
+
+
+def test_an_update_mid_response_keeps_the_prefix_and_tags_every_token_with_the_weights_that_sampled_it(
+        fresh, vllm_model):
+    """Tokens before the update are version 0 and exact under the old weights; the prefix is kept token for token,
+    and every later token is version 1, exact under the new weights (each check fails under the other weights)."""
+    prompt = [5, 6, 7, 8]
+    fresh.add_requests([_request("a", prompt, max_new_tokens=40, seed=3)])
+    assert fresh.step(6) == []
+    prefix = list(fresh.export_inflight()[0]["token_ids"])
+    new = _perturbed(vllm_model, seed=1)
+    fresh.update_weights(new, 1)
+    assert fresh.export_inflight()[0]["token_ids"] == prefix  # kept as it was
+    [output] = _drain(fresh)
+    cut = len(prefix)
+    assert 3 <= cut < 40 and output.token_ids[:cut] == prefix and len(output.token_ids) == 40
+    assert output.versions == [0] * cut + [1] * (40 - cut) and output.finish_reason == "length"
+    behaviour = torch.tensor(output.logprobs, dtype=torch.float64)
+    old = _teacher_forced(vllm_model, None, prompt, output.token_ids)
+    newer = _teacher_forced(vllm_model, new, prompt, output.token_ids)
+    assert torch.allclose(behaviour[:cut], old[:cut], atol=1e-4)
+    assert torch.allclose(behaviour[cut:], newer[cut:], atol=1e-4)
+    assert (behaviour[cut:] - old[cut:]).abs().max() > 1e-2 and (behaviour[:cut] - newer[:cut]).abs().max() > 1e-2
+    assert fresh.counters["resubmitted"] >= 1
+
+
+def _drain(engine, chunk=4):
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step(chunk)
+    return outputs
+
+
+def test_abort_stops_vllm_at_once_and_returns_the_tokens_so_far(fresh):
+    fresh.add_requests([_request("long", [9, 10, 11], max_new_tokens=400, seed=1),
+                        _request("short", [9, 10, 12], max_new_tokens=5, seed=2)])
+    fresh.step(3)
+    [aborted] = fresh.abort(["long", "not-here"])
+    assert aborted.finish_reason == "aborted" and 1 <= len(aborted.token_ids) < 400
+    assert len(aborted.logprobs) == len(aborted.versions) == len(aborted.token_ids)
+    [short] = _drain(fresh)
+    assert short.request_id == "short" and len(short.token_ids) == 5
+    # vLLM holds nothing more: the aborted request is gone from its engine, not left running to its 400 tokens
+    assert not fresh.llm.has_unfinished_requests() and not fresh.has_unfinished
+
+
+def test_release_cache_stops_the_engine_and_the_requests_go_on_from_their_tokens(fresh):
+    """The hybrid sleep: nothing is computed while the rank trains (no sleep mode on CPU: the engine holds no
+    request), every request keeps its tokens, and the next step continues them."""
+    fresh.add_requests([_request(f"r{i}", [20, 21, 22 + i], max_new_tokens=60, seed=i) for i in range(3)])
+    fresh.step(5)
+    kept = {s["request_id"]: s["token_ids"] for s in fresh.export_inflight()}
+    fresh.release_cache()
+    assert not fresh.llm.has_unfinished_requests() and fresh.num_unfinished == 3
+    assert {s["request_id"]: s["token_ids"] for s in fresh.export_inflight()} == kept
+    outputs = {o.request_id: o for o in _drain(fresh)}
+    for rid, tokens in kept.items():
+        assert outputs[rid].token_ids[:len(tokens)] == tokens and len(outputs[rid].token_ids) == 60
+        assert outputs[rid].versions == [0] * 60
+
+
+def test_export_and_import_continue_a_request_from_its_prefix_and_bad_requests_are_refused(fresh):
+    fresh.add_requests([_request("c", [30, 31], max_new_tokens=30, seed=4)])
+    fresh.step(4)
+    saved = fresh.export_inflight()
+    fresh.abort()
+    fresh.import_inflight(saved)
+    [output] = _drain(fresh)
+    assert output.token_ids[:len(saved[0]["token_ids"])] == saved[0]["token_ids"] and len(output.token_ids) == 30
+    with pytest.raises(ValueError, match="max_model_len is 512"):
+        fresh.add_requests([_request("too-long", [5] * 600, max_new_tokens=4)])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fresh.add_requests([_request("bad-id", [10 ** 9], max_new_tokens=4)])
+    fresh.add_requests([_request("dup", [5, 6], max_new_tokens=50)])
+    with pytest.raises(ValueError, match="already unfinished"):
+        fresh.add_requests([_request("dup", [5, 6], max_new_tokens=4)])
+    fresh.abort()
+
+
+def test_hybrid_settings_accept_vllm_and_refuse_what_it_cannot_do():
+    from async_rl.rollout.client import ReplicaSettings
+
+    assert ReplicaSettings.from_config({"mode": "hybrid", "engine": "vllm"}).engine == "vllm"
+    with pytest.raises(ValueError, match="vllm_kv_on_update=stale needs rollout.mode=standalone"):
+        ReplicaSettings.from_config({"mode": "hybrid", "engine": "vllm", "vllm_kv_on_update": "stale"})
+
+
+@pytest.fixture(scope="module")
+def warm_vllm_model(tmp_path_factory):
+    """The head_dim-32 tiny model warm-started by SFT on toy_keys (as tests/test_vllm_driver.py)."""
+    from async_rl.models.sft import sft_warm_start
+    from async_rl.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_hybrid_learn")
+    base = make_tiny_model(root / "base", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+    sft_warm_start(base, root / "sft", env_name="toy_keys", seed=0)
+    return str(root / "sft")
+
+
+def test_the_concurrent_driver_trains_grpo_with_vllm_inside_the_train_rank_and_learns(ray_cluster, warm_vllm_model):
+    """rollout.mode=hybrid rollout.engine=vllm: the replica's engine is stepped by the train rank (its engine core a
+    child of that rank), weights travel only as a version, and GRPO's success rises."""
+    import async_rl.envs.toy  # noqa: F401
+    from async_rl.assemble import RunSpec, build_concurrent_driver
+    from async_rl.config import AlgorithmConfig
+    from async_rl.driver.driver import DriverConfig
+    from async_rl.driver.episode import EpisodeLimits
+    from async_rl.envs.toy import make_toy_tasks
+    from async_rl.rollout.client import ReplicaSettings
+
+    torch.set_num_threads(1)
+    algo = AlgorithmConfig(name="grpo", train_batch_trajectories=16, group_size=4, actor_lr=1e-3)
+    spec = RunSpec(model_path=warm_vllm_model, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 256, 0), seed=0,
+                   max_new_tokens=24, limits=EpisodeLimits(max_turns=4, max_response_tokens=160), workers="ray",
+                   train_workers=1,
+                   rollout=ReplicaSettings(engine="vllm", mode="hybrid", vllm_kv_cache_memory_bytes=64 << 20,
+                                           vllm_max_model_len=1024))
+    driver = build_concurrent_driver(algo, DriverConfig(total_steps=20, max_inflight_trajectories=16), spec)
+    pool = driver.rollout.engine
+    try:
+        train_pid = driver.learner.actor.worker_groups.actor.ping()[0]["pid"]
+        history = driver.run()
+    finally:
+        driver.learner.actor.worker_groups.shutdown()
+    assert pool.weights_in_process and pool.pids == [train_pid] and pool.engine_name == "vllm"
+    assert pool.policy_version == driver.learner.policy_version == 20
+    acc = [m["train/success_rate"] for m in history]
+    first, last = sum(acc[:4]) / 4, sum(acc[-4:]) / 4
+    assert last >= first + 0.15, f"success {first:.2f} -> {last:.2f}: {acc}"
+    measured = [m for m in history if m.get("rollout/mismatch_tokens", 0) > 0]
+    assert measured and max(m["rollout/mismatch_abs_logprob_mean"] for m in measured) < 1e-3
