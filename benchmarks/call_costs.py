@@ -1,5 +1,5 @@
 """Start-up and hand-off costs the docs quote: a thread per call vs a hand-off to a persistent
-:class:`~async_rl.envs.base.EnvCallPool` worker (docs/driver.md), the local code sandbox's run of
+:class:`~async_rl.envs.calls.EnvCallPool` worker (docs/driver.md), the local code sandbox's run of
 ``print(1)`` and a math-verifier worker's start (docs/tasks.md).
 
 Each cost is the median (and 10th / 90th percentiles) of repeated measurements on this machine; the load
@@ -39,7 +39,7 @@ def thread_per_call(n: int = 500) -> dict:
 
 
 def pool_hand_off(n: int = 500) -> dict:
-    from async_rl.envs.base import EnvCallPool
+    from async_rl.envs.calls import EnvCallPool
 
     pool = EnvCallPool()
     pool.call(lambda: None, timeout_s=5.0)  # the first call starts the worker

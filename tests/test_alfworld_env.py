@@ -31,7 +31,8 @@ from async_rl.envs.alfworld_env import (
     resolve_data_dir,
     success_by_category,
 )
-from async_rl.envs.base import StepResult, make_env, registered_env_names, run_env_reset, run_env_step
+from async_rl.envs.base import StepResult, make_env, registered_env_names
+from async_rl.envs.calls import run_env_reset, run_env_step
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "alfworld"
 PICK_ID = "train/pick_and_place_simple-Mug-None-Shelf-901/trial_T20260101_000001_000001"

@@ -19,8 +19,8 @@ from async_rl.driver.buffer import TrajectoryBuffer
 from async_rl.driver.episode import EpisodeLimits
 from async_rl.driver.prompts import PromptStream
 from async_rl.driver.rollout_manager import RolloutManager
-from async_rl.envs.base import (Env, EnvCallPool, StepResult, register_env, run_env_close, run_env_construct,
-                                run_env_step)
+from async_rl.envs.base import Env, StepResult, register_env
+from async_rl.envs.calls import EnvCallPool, run_env_close, run_env_construct, run_env_step
 from async_rl.rollout.base import GenerationOutput, SamplingParams
 
 TIMEOUT_S = 1.0  # env_timeout_s of these tests: a hang is noticed after this long (a healthy call on a loaded
@@ -497,7 +497,8 @@ def test_one_healthy_trajectory_resets_the_run_of_failures(release):
     (False, {"success": "yes"}, False), (False, {"tool_executed": [1]}, False),
 ])
 def test_done_and_the_flag_keys_of_info_must_be_bools(done, info, accepted):
-    from async_rl.envs.base import StepResult, step_outcome
+    from async_rl.envs.base import StepResult
+    from async_rl.envs.calls import step_outcome
 
     outcome = step_outcome(True, StepResult("obs", 0.0, done, info), None, 0.0, 1.0)
     assert outcome.aborted is not accepted

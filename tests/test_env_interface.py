@@ -207,7 +207,7 @@ def test_step_runs_on_another_thread():
 
 
 def test_steps_run_on_the_reused_default_pool_workers():
-    from async_rl.envs.base import default_env_pool
+    from async_rl.envs.calls import default_env_pool
 
     class NamingEnv(EchoEnv):
         def step(self, action_text):
@@ -227,7 +227,7 @@ def test_steps_run_on_the_reused_default_pool_workers():
 
 
 def test_construct_step_and_close_timeouts_name_the_call():
-    from async_rl.envs.base import run_env_close, run_env_construct
+    from async_rl.envs.calls import run_env_close, run_env_construct
 
     hung_close = SleepingEnv(sleep_s=10)
     hung_close.close = lambda: time.sleep(10)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from async_rl.driver.episode import ChatFormatter, EpisodeLimits
-from async_rl.envs.base import Env, StepResult, default_env_pool, run_env_reset, run_env_step
+from async_rl.envs.base import Env, StepResult
+from async_rl.envs.calls import default_env_pool, run_env_reset, run_env_step
 from async_rl.rollout.hf_engine import _stream_uniform_reference, stream_key, stream_uniforms
 
 

@@ -7,8 +7,10 @@ on the head, and the replicas reserve no CPU (``rollout.cpus_per_replica=0``).
 
 Shown: the run trains on both replicas; after step 2 the test kills the second node's raylet and every process
 under it, by pid; the run finishes all its steps on the head's replica, says one replica is alive, reports the loss
-naming the replica, and keeps a readable checkpoint of every step after the loss. Every process of the cluster is
-gone at the end (found by its own temp dir and killed by pid: never ``ray stop``, which would stop other clusters).
+naming the replica, and keeps a readable checkpoint of every step after the loss. Then a new second node joins and
+``trainer.resume=true`` continues the run from its last checkpoint to more steps, on both nodes again. Every process
+of the cluster is gone at the end (found by its own temp dir and killed by pid: never ``ray stop``, which would stop
+other clusters).
 """
 
 from __future__ import annotations
@@ -48,6 +50,25 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def _train(args, env, log_path, run_dir, on_rows=None, timeout_s=600):
+    """Run the trainer CLI to its end (its output to a file: a pipe nobody reads would block it); ``on_rows(rows)``
+    is called with the metrics logged so far while it runs."""
+    with open(log_path, "w") as log:
+        run = subprocess.Popen([sys.executable, "-m", "async_rl.train", *args], cwd=REPO, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while run.poll() is None and time.monotonic() < deadline:
+                if on_rows is not None:
+                    on_rows(_rows(run_dir))
+                time.sleep(0.2)
+        finally:
+            if run.poll() is None:
+                run.kill()
+            run.wait()
+    return run, log_path.read_text()
+
+
 def test_the_cli_joins_a_ray_start_cluster_pins_a_replica_to_each_node_and_survives_losing_one(cluster, tmp_path,
                                                                                                tiny_model):
     run_dir = tmp_path / "out" / "two-nodes"
@@ -61,24 +82,15 @@ def test_the_cli_joins_a_ray_start_cluster_pins_a_replica_to_each_node_and_survi
             "rollout.health_timeout_s=10", "rollout.replica_resources=[{head_node:1},{rollout_node:1}]"]
     env = {**os.environ, **cluster.env, "RAY_ADDRESS": cluster.address, "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "offline"}
-    log_path = tmp_path / "train_output.txt"  # a file, not a pipe: a pipe nobody reads would block the trainer
-    killed_after = None
-    with open(log_path, "w") as log:
-        run = subprocess.Popen([sys.executable, "-m", "async_rl.train", *args], cwd=REPO, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 600
-            while run.poll() is None and time.monotonic() < deadline:
-                rows = _rows(run_dir)
-                if killed_after is None and len(rows) >= 2:
-                    killed_after = len(rows)
-                    cluster.kill_node("rollout_node")  # its raylet, its agents and its workers (the replica)
-                time.sleep(0.2)
-        finally:
-            if run.poll() is None:
-                run.kill()
-            run.wait()
-    output = log_path.read_text()
+    killed = []
+
+    def kill_second_node_after_step_2(rows):
+        if not killed and len(rows) >= 2:
+            killed.append(len(rows))
+            cluster.kill_node("rollout_node")  # its raylet, its agents and its workers (the replica)
+
+    run, output = _train(args, env, tmp_path / "train_output.txt", run_dir, kill_second_node_after_step_2)
+    killed_after = killed[0] if killed else None
     assert run.returncode == 0, output[-5000:]
     assert killed_after is not None and killed_after < TOTAL_STEPS
     rows = _rows(run_dir)
@@ -95,3 +107,16 @@ def test_the_cli_joins_a_ray_start_cluster_pins_a_replica_to_each_node_and_survi
     assert set(range(killed_after + 1, TOTAL_STEPS + 1)) <= set(kept)
     for step, path in list_checkpoints(run_dir / "checkpoints"):
         assert read_checkpoint(path)[1] is None, f"checkpoint of step {step} does not read back"
+
+    # a new second node joins; the run resumes from its last checkpoint and trains 3 more steps on both nodes
+    cluster.add_node(num_cpus=0, resources={"rollout_node": 1})
+    more = [a for a in args if not a.startswith("trainer.driver.total_steps=")]
+    resumed, output = _train([*more, f"trainer.driver.total_steps={TOTAL_STEPS + 3}", "trainer.resume=true"], env,
+                             tmp_path / "resume_output.txt", run_dir)
+    assert resumed.returncode == 0, output[-5000:]
+    assert f"step_{TOTAL_STEPS:06d}.pt at step {TOTAL_STEPS}" in output
+    rows = _rows(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, TOTAL_STEPS + 4))  # every step once
+    assert all(row["rollout/replicas_alive"] == 2.0 for row in rows[TOTAL_STEPS:])  # both nodes serve again
+    assert rows[-1]["trainer/policy_version"] == TOTAL_STEPS + 3
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == TOTAL_STEPS + 3

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from async_rl.envs.base import make_env, registered_env_names, run_env_step
+from async_rl.envs.base import make_env, registered_env_names
+from async_rl.envs.calls import run_env_step
 from async_rl.envs.retool import (
     PROMPT_TEMPLATE,
     ReToolEnv,

@@ -631,13 +631,14 @@ def test_pinned_replicas_are_checked_per_node_with_their_cpus_and_in_total(monke
 
 
 def test_replica_resources_are_checked_before_anything_starts():
-    """launch_replicas(replica_resources=...): one mapping per replica, positive amounts, standalone hf/vllm only;
-    refused in one line before Ray is asked for anything (tests/test_two_nodes.py pins replicas to nodes with it)."""
+    """launch_replicas(replica_resources=...): one mapping per replica, positive amounts, standalone hf/vllm only (the
+    config's own rules, ReplicaSettings); refused in one line before Ray is asked for anything (tests/test_two_nodes.py pins replicas to nodes with it)."""
     from async_rl.rollout.client import launch_replicas
 
-    with pytest.raises(ValueError, match=r"one mapping \(or None\) per replica \(2\)"):
+    with pytest.raises(ValueError, match=r"give one mapping \(or null\) per replica, 2 in all"):
         launch_replicas("hf", 2, "/nonexistent", replica_resources=[{"node_a": 1}])
-    with pytest.raises(ValueError, match="every amount must be a number > 0"):
+    with pytest.raises(ValueError, match=r"replica_resources\[0\]=\{'node_a': 0\}: .*amounts > 0"):
         launch_replicas("hf", 1, "/nonexistent", replica_resources=[{"node_a": 0}])
-    with pytest.raises(ValueError, match="of standalone hf or vllm replicas"):
+    with pytest.raises(ValueError, match="pins standalone hf or vllm replicas to nodes; this run has "
+                                         "rollout.mode=standalone rollout.engine=sglang"):
         launch_replicas("sglang", 1, "/nonexistent", replica_resources=[{"node_a": 1}])

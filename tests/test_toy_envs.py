@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from async_rl.envs.base import make_env, registered_env_names, run_env_step
+from async_rl.envs.base import make_env, registered_env_names
+from async_rl.envs.calls import run_env_step
 from async_rl.envs.toy import (
     TOY_KEYS_PROMPT,
     ToyEchoEnv,

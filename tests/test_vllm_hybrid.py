@@ -151,6 +151,59 @@ def test_hybrid_settings_accept_vllm_and_refuse_what_it_cannot_do():
         ReplicaSettings.from_config({"mode": "hybrid", "engine": "vllm", "vllm_kv_on_update": "stale"})
 
 
+def test_a_hybrid_vllm_replica_samples_under_the_weights_its_versions_name(ray_cluster, vllm_model):
+    """The engine inside a train rank, driven by the pool: tokens read before the publication are version 0 and exact
+    under the actor's weights of then; the actor then changes (a training step's effect), the pool publishes only
+    the version, and every later token is version 1, exact under the new weights (fp32 on both sides). Each check
+    fails under the other version's weights."""
+    import time
+
+    from async_rl.models.loading import load_causal_lm
+    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.workers.placement import make_worker_groups
+
+    import ray
+
+    groups = make_worker_groups("colocated", 1, None, vllm_model, with_critic=False, rollout_kwargs={
+        "share_actor_weights": False, "engine": "vllm",
+        "engine_options": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024}})
+    prompt, response = [5, 6, 7, 8], 1000  # read one engine iteration per call: seconds to read, a pause lands early
+    try:
+        pool = groups.rollout_pool = ReplicaPool(launch_replicas("vllm", 1, vllm_model, mode="hybrid", chunk_tokens=1,
+                                                                 worker_group=groups.process_groups[0]), "vllm")
+        server = pool.replicas[0].servers[0]
+        assert pool.weights_in_process and pool.pids == [groups.actor.ping()[0]["pid"]]
+        actor = groups.remote_actor()
+        base = actor.export_weights()
+        new = _perturbed(vllm_model, seed=3)
+        pool.update_weights(None, 0)
+        pool.add_requests([_request(f"p{i}/r0/turn0", prompt, max_new_tokens=response, seed=i) for i in range(2)])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and min(
+                [len(p["token_ids"]) for p in ray.get(server.progress.remote()).values()] or [0]) < 8:
+            time.sleep(0.01)
+        actor.load_state_dict({"model": new})  # the trainer's weights change; nothing is published yet
+        pool.update_weights(None, 1)  # pause, copy the actor's weights in as version 1, resume
+        outputs, deadline = [], time.monotonic() + 180
+        while len(outputs) < 2 and time.monotonic() < deadline:
+            outputs += pool.step()
+    finally:
+        groups.shutdown()
+    assert len(outputs) == 2
+    for output in outputs:
+        versions = torch.tensor(output.versions)
+        behaviour = torch.tensor(output.logprobs, dtype=torch.float64)
+        cut = int((versions == 0).sum())
+        assert len(output.token_ids) == response and 8 <= cut < response
+        assert output.versions == [0] * cut + [1] * (response - cut)
+        old = _teacher_forced(vllm_model, base, prompt, output.token_ids)
+        newer = _teacher_forced(vllm_model, new, prompt, output.token_ids)
+        for version, mine, other in ((0, old, newer), (1, newer, old)):
+            at = versions == version
+            assert torch.allclose(behaviour[at], mine[at], atol=1e-3), f"version {version} tokens"
+            assert (behaviour[at] - other[at]).abs().max() > 1e-2
+
+
 @pytest.fixture(scope="module")
 def warm_vllm_model(tmp_path_factory):
     """The head_dim-32 tiny model warm-started by SFT on toy_keys (as tests/test_vllm_driver.py)."""

@@ -6,7 +6,8 @@ import socket
 
 import pytest
 
-from async_rl.envs.base import make_env, registered_env_names, run_env_reset, run_env_step
+from async_rl.envs.base import make_env, registered_env_names
+from async_rl.envs.calls import run_env_reset, run_env_step
 from async_rl.envs.webshop import (
     BM25Index,
     Catalog,

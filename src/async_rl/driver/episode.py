@@ -20,8 +20,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from async_rl.driver.trajectory import Segment, Trajectory
-from async_rl.envs.base import (CallOutcome, Env, EnvCallPool, ResetOutcome, StepOutcome, run_env_close,
-                                run_env_reset, run_env_step)
+from async_rl.envs.base import Env
+from async_rl.envs.calls import (
+    CallOutcome,
+    EnvCallPool,
+    ResetOutcome,
+    StepOutcome,
+    run_env_close,
+    run_env_reset,
+    run_env_step,
+)
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
 
 

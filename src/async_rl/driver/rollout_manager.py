@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 from async_rl.driver.episode import ChatFormatter, Episode, EpisodeLimits
 from async_rl.driver.prompts import PromptStream
 from async_rl.driver.trajectory import Trajectory
-from async_rl.envs.base import Env, EnvCall, EnvCallPool, close_late_env, outcome_of
+from async_rl.envs.base import Env
+from async_rl.envs.calls import EnvCall, EnvCallPool, close_late_env, outcome_of
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, RolloutService, SamplingParams
 
 # async mode, nothing to generate: how long one advance() may wait for the oldest env call before returning

@@ -5,18 +5,8 @@ with ``@register_env("name")``; add its import below so ``make_env("name")`` fin
 caller importing the module first.
 """
 
-from async_rl.envs.base import (
-    Env,
-    EnvAborted,
-    ResetOutcome,
-    StepOutcome,
-    StepResult,
-    make_env,
-    register_env,
-    registered_env_names,
-    run_env_reset,
-    run_env_step,
-)
+from async_rl.envs.base import Env, StepResult, make_env, register_env, registered_env_names
+from async_rl.envs.calls import EnvAborted, ResetOutcome, StepOutcome, run_env_reset, run_env_step
 
 # Built-in environments (imported for their @register_env side effect).
 from async_rl.envs import toy as _toy  # noqa: E402,F401  ("toy_keys", "toy_echo")

@@ -678,14 +678,9 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
 
     if num_replicas < 1:
         raise ValueError(f"rollout.replicas must be >= 1, got {num_replicas}")
-    if replica_resources is not None:
-        if len(replica_resources) != num_replicas or engine not in OWN_SERVER_ENGINES or mode != "standalone":
-            raise ValueError(f"replica_resources: one mapping (or None) per replica ({num_replicas}) of standalone "
-                             f"hf or vllm replicas; got {len(replica_resources)} for {mode} {engine}")
-        for resources in replica_resources:
-            if resources and any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-                                 for v in resources.values()):
-                raise ValueError(f"replica_resources={dict(resources)}: every amount must be a number > 0")
+    if replica_resources is not None:  # the config-time rules (one per replica, amounts > 0), then the live nodes
+        ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode,
+                        replica_resources=list(replica_resources))._check_replica_resources()
         _check_resources_exist(replica_resources, float(num_cpus))
     if mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout.mode={mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")

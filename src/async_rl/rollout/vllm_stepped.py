@@ -58,6 +58,8 @@ class VLLMSteppedEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"VLLMSteppedEngine device={device!r}; valid choices: cpu, cuda")
         options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
         check_model_for_vllm(str(model_path), device)
         check_kv_cache_fits(str(model_path), device, options)

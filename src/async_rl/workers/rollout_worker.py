@@ -170,7 +170,7 @@ class RolloutWorker(RoleWorker):
             from async_rl.rollout.vllm_stepped import VLLMSteppedEngine
 
             self.mode = "colocated-copy" if actor is not None else "own-weights"
-            self.engine = VLLMSteppedEngine(self.model_path, device="cpu" if self.device_type == "cpu" else "cuda",
+            self.engine = VLLMSteppedEngine(self.model_path, device=torch.device(device).type,
                                             initial_version=self.initial_version,
                                             engine_options={"dtype": self.dtype, **self.engine_options})
         elif actor is not None and self.share_actor_weights and not actor.role.engine.is_sharded:
