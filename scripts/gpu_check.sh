@@ -16,7 +16,8 @@
 #    and later tokens carry the new version -- scripts/gpu_check_sleep.py.
 # Not covered on one GPU: rollout.weight_sync=checkpoint_manager rollout.checkpoint_backend=nccl needs the
 # trainer and the vLLM replica on two different GPUs (NCCL refuses two ranks on one device; docs/rollout.md §9).
-# Worst-case time: the step timeouts add up to 200 + 30 + 100 + 150 + 50 + 70 = 600 s.
+# Worst-case time: the step timeouts add up to 180 + 20 + 30 + 100 + 150 + 50 + 70 = 600 s (creating the venv and
+# reading the run's metrics take seconds and have no timeout of their own).
 # Every step has its own timeout; the script goes on after a failed step and exits non-zero at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +34,8 @@ PIP_ARGS=()
 if [ -n "${WHEELHOUSE:-}" ]; then PIP_ARGS=(--no-index --find-links "$WHEELHOUSE"); fi
 python3.11 -m venv .venv-gpu || { echo "FAILED: python3.11 -m venv"; exit 1; }
 . .venv-gpu/bin/activate
-timeout 200 pip install -q "${PIP_ARGS[@]}" -e ".[vllm,test]" || { echo "FAILED: pip install .[vllm]"; exit 1; }
-python - <<'PY' || { echo "FAILED: no CUDA GPU visible"; exit 1; }
+timeout 180 pip install -q "${PIP_ARGS[@]}" -e ".[vllm,test]" || { echo "FAILED: pip install .[vllm]"; exit 1; }
+timeout 20 python - <<'PY' || { echo "FAILED: no CUDA GPU visible"; exit 1; }
 import torch, transformers, vllm, verl
 print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "verl", verl.__version__)
 assert torch.cuda.is_available(), "no CUDA GPU"

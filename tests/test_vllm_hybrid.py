@@ -72,7 +72,8 @@ def test_an_update_mid_response_keeps_the_prefix_and_tags_every_token_with_the_w
     and every later token is version 1, exact under the new weights (each check fails under the other weights)."""
     prompt = [5, 6, 7, 8]
     fresh.add_requests([_request("a", prompt, max_new_tokens=40, seed=3)])
-    assert fresh.step(6) == []
+    while len(fresh.export_inflight()[0]["token_ids"]) < 3:  # (an earlier test's stale outputs may come first)
+        assert fresh.step(1) == []
     prefix = list(fresh.export_inflight()[0]["token_ids"])
     new = _perturbed(vllm_model, seed=1)
     fresh.update_weights(new, 1)
@@ -143,6 +144,50 @@ def test_export_and_import_continue_a_request_from_its_prefix_and_bad_requests_a
     fresh.abort()
 
 
+def test_a_dead_vllm_engine_process_fails_the_step_instead_of_hanging(vllm_model):
+    """vLLM's own get_output would wait for ever once its engine process is gone; the stepped engine raises within a
+    bound, so the train rank's replica is reported failed (HybridServer) instead of hanging the run."""
+    import time
+
+    import psutil
+
+    from async_rl.rollout.vllm_stepped import VLLMSteppedEngine
+
+    engine = VLLMSteppedEngine(vllm_model, engine_options={"kv_cache_memory_bytes": 32 << 20, "max_model_len": 256})
+    try:
+        engine.add_requests([_request("x", [5, 6], max_new_tokens=200)])
+        engine.step(2)
+        for process in engine.llm.engine_core.resources.engine_manager.processes:  # this engine's core, and below it
+            core = psutil.Process(process.pid)
+            for child in [*core.children(recursive=True), core]:
+                child.kill()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="vLLM's engine process died"):
+            while time.monotonic() - started < 60:
+                engine.step(4)
+        assert time.monotonic() - started < 30
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_vllm_refuses_fails_alone_as_an_engine_fault(fresh, monkeypatch):
+    """A request vLLM refuses at submission (``add_request`` raises ValueError: here made to, for one prompt) ends as
+    an aborted engine fault, never scored; the other requests go on and the engine stays usable."""
+    add_request = fresh.llm.add_request
+
+    def refusing(request_id, prompt, params, *args, **kwargs):
+        if prompt["prompt_token_ids"][:2] == [7, 7]:
+            raise ValueError("refused by the engine")
+        return add_request(request_id, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(fresh.llm, "add_request", refusing)
+    fresh.add_requests([_request("ok", [5, 6], max_new_tokens=5), _request("refused", [7, 7], max_new_tokens=5)])
+    outputs = {o.request_id: o for o in _drain(fresh)}
+    assert outputs["refused"].finish_reason == "aborted" and outputs["refused"].stop_reason == "engine_error"
+    assert len(outputs["ok"].token_ids) == 5 and outputs["ok"].finish_reason == "length"
+    assert fresh.counters["engine_errors"] >= 1 and "refused by the engine" in fresh.last_refusal
+
+
 def test_hybrid_settings_accept_vllm_and_refuse_what_it_cannot_do():
     from async_rl.rollout.client import ReplicaSettings
 
@@ -173,6 +218,7 @@ def test_a_hybrid_vllm_replica_samples_under_the_weights_its_versions_name(ray_c
                                                                  worker_group=groups.process_groups[0]), "vllm")
         server = pool.replicas[0].servers[0]
         assert pool.weights_in_process and pool.pids == [groups.actor.ping()[0]["pid"]]
+        assert ray.get(server.ping.remote())["engine"] == "vllm"  # the rank holds vLLM, not the hf engine
         actor = groups.remote_actor()
         base = actor.export_weights()
         new = _perturbed(vllm_model, seed=3)
@@ -182,6 +228,7 @@ def test_a_hybrid_vllm_replica_samples_under_the_weights_its_versions_name(ray_c
         while time.monotonic() < deadline and min(
                 [len(p["token_ids"]) for p in ray.get(server.progress.remote()).values()] or [0]) < 8:
             time.sleep(0.01)
+        assert time.monotonic() < deadline, "no 8 tokens within 120 s"
         actor.load_state_dict({"model": new})  # the trainer's weights change; nothing is published yet
         pool.update_weights(None, 1)  # pause, copy the actor's weights in as version 1, resume
         outputs, deadline = [], time.monotonic() + 180
@@ -228,11 +275,15 @@ def test_the_concurrent_driver_trains_grpo_with_vllm_inside_the_train_rank_and_l
     driver = build_concurrent_driver(algo, DriverConfig(total_steps=20, max_inflight_trajectories=16), spec)
     pool = driver.rollout.engine
     try:
+        import ray
+
         train_pid = driver.learner.actor.worker_groups.actor.ping()[0]["pid"]
+        engine_seen = [ray.get(replica.servers[0].ping.remote())["engine"] for replica in pool.replicas]
         history = driver.run()
     finally:
         driver.learner.actor.worker_groups.shutdown()
     assert pool.weights_in_process and pool.pids == [train_pid] and pool.engine_name == "vllm"
+    assert engine_seen == ["vllm"]  # the train rank's replica served vLLM
     assert pool.policy_version == driver.learner.policy_version == 20
     acc = [m["train/success_rate"] for m in history]
     first, last = sum(acc[:4]) / 4, sum(acc[-4:]) / 4

@@ -46,7 +46,8 @@ class Env(abc.ABC):
 
     Subclasses implement :meth:`reset` and :meth:`step`, set :attr:`max_turns`, and override
     :meth:`close` if they hold resources (processes, servers, files). Environments are used by one
-    driver at a time and need not be thread-safe; the helpers below only move a call to another thread.
+    driver at a time and need not be thread-safe; the timed calls of :mod:`async_rl.envs.calls` only move a call to
+    another thread.
     The one exception: after a call timed out, :meth:`close` may run while that call is still stuck in
     its thread -- close should then release what the stuck call waits on (kill the process, drop the
     connection) rather than wait for it.

@@ -678,16 +678,16 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
 
     if num_replicas < 1:
         raise ValueError(f"rollout.replicas must be >= 1, got {num_replicas}")
+    if mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout.mode={mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
     if replica_resources is not None:  # the config-time rules (one per replica, amounts > 0), then the live nodes
         ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode,
                         replica_resources=list(replica_resources))._check_replica_resources()
         _check_resources_exist(replica_resources, float(num_cpus))
-    if mode not in ROLLOUT_MODES:
-        raise ValueError(f"rollout.mode={mode!r}; valid choices: {', '.join(ROLLOUT_MODES)}")
     if mode == "hybrid":
         if worker_group is None:
             raise ValueError("rollout.mode=hybrid needs the train worker group the replicas live in (worker_group=)")
-        ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode).validate()  # hf only, with the reason
+        ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode).validate()  # hf or vllm, else the reason
         ReplicaSettings(engine=engine, replicas=num_replicas, mode=mode).check_placement(len(worker_group.workers))
     cls = HybridReplica if mode == "hybrid" else replica_class(engine)
     from verl.workers.config import CheckpointEngineConfig
@@ -703,7 +703,7 @@ def launch_replicas(engine: str, num_replicas: int, model_path: str, *, device: 
                            pipeline_model_parallel_size=1, max_model_len=max_model_len, checkpoint_engine=checkpoint)
     model_config = HFModelConfig(path=str(model_path))
     if mode == "hybrid":
-        replicas = [cls(rank, config, model_config, chunk_tokens=chunk_tokens, name_prefix=name_prefix)
+        replicas = [cls(rank, config, model_config, chunk_tokens=chunk_tokens, name_prefix=name_prefix, engine=engine)
                     for rank in range(num_replicas)]
 
         async def start_hybrid() -> None:

@@ -174,7 +174,7 @@ class HybridServer(ServerBookkeeping):
         await self._ensure_started()
         self._raise_if_broken()
         return {**self._ping_fields(self._info.get("pid"), self._version, len(self._futures), self._info.get("device")),
-                "server_pid": os.getpid(), "mode": "hybrid", "asleep": self._asleep}
+                "server_pid": os.getpid(), "mode": "hybrid", "asleep": self._asleep, "engine": self._info.get("engine")}
 
     async def get_pid(self) -> int:
         await self._ensure_started()

@@ -60,9 +60,10 @@ class HybridReplica(RolloutReplica):
     KIND = "hybrid"
 
     def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 1, *, chunk_tokens: int = 4,
-                 name_prefix: str = "async_rl", start_timeout_s: float = 600.0) -> None:
+                 name_prefix: str = "async_rl", start_timeout_s: float = 600.0, engine: Optional[str] = None) -> None:
         super().__init__(replica_rank, config, model_config, gpus_per_node=max(1, gpus_per_node))
         self.chunk_tokens, self.name_prefix, self.start_timeout_s = chunk_tokens, name_prefix, start_timeout_s
+        self.engine = engine  # the engine the run asked for; the rank's RolloutWorker must hold it
 
     async def init_standalone(self) -> None:
         raise RuntimeError("a hybrid replica lives in a train rank: start it with init_hybrid(worker_group)")
@@ -84,7 +85,7 @@ class HybridReplica(RolloutReplica):
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         ).remote(worker, replica_rank=self.replica_rank, chunk_tokens=self.chunk_tokens)
         try:
-            await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
+            info = await asyncio.wait_for(server.ping.remote(), timeout=self.start_timeout_s)
         except asyncio.TimeoutError:
             ray.kill(server, no_restart=True)
             raise RuntimeError(f"hybrid replica {self.replica_rank} did not answer within "
@@ -95,6 +96,11 @@ class HybridReplica(RolloutReplica):
                                f"({str(error).splitlines()[-1]}); build the train workers with "
                                f"make_worker_groups('colocated', ...), which fuses a RolloutWorker into every "
                                f"rank") from error
+        if self.engine is not None and info.get("engine") != self.engine:
+            ray.kill(server, no_restart=True)
+            raise RuntimeError(f"rollout.engine={self.engine} but train rank {self.replica_rank}'s rollout engine is "
+                               f"{info.get('engine')}: build the colocated groups with rollout_kwargs={{'engine': "
+                               f"'{self.engine}'}}")
         self.servers = [server]
         self._server_handle = server
 

@@ -36,7 +36,7 @@ class ReplicaSettings:
 
     engine: str = "hf"  # hf (transformers, CPU/CUDA) | vllm | sglang (verl's replicas, GPU)
     replicas: int = 1  # rollout replicas, one process each
-    mode: str = "standalone"  # standalone: own processes and resources | hybrid: inside the train ranks (hf)
+    mode: str = "standalone"  # standalone: own processes and resources | hybrid: inside the train ranks (hf, vllm)
     chunk_tokens: int = 4  # hf: tokens per decode chunk (a weight update or new request waits at most one chunk)
     cpus_per_replica: float = 1.0  # logical Ray CPUs each replica reserves
     on_replica_failure: str = "continue"  # continue with the other replicas | stop with an error

@@ -182,6 +182,9 @@ def startup_error_line(error: BaseException) -> str:
         return (f"vLLM rejected the model's head_dim on CPU ({text.splitlines()[0][:200]}); use head_dim >= "
                 f"{CPU_MIN_HEAD_DIM} or rollout.engine=hf")
     lowered = text.lower()
+    if "free memory on device" in lowered:  # vLLM wants gpu_memory_utilization x total free at start-up
+        return (f"vLLM found less free GPU memory than it asked for ({text.splitlines()[0][:200]}); lower "
+                f"rollout.vllm_gpu_memory_utilization (with rollout.mode=hybrid the trainer holds part of the GPU)")
     if "kv cache" in lowered or "cache blocks" in lowered or "memory" in lowered:
         return (f"vLLM could not fit its KV cache ({text.splitlines()[0][:200]}); raise "
                 f"rollout.vllm_kv_cache_memory_bytes (CPU) / rollout.vllm_gpu_memory_utilization (GPU), or lower "

@@ -28,12 +28,14 @@ Drive it from one thread, between calls (no call runs concurrently with another)
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
+from async_rl.rollout.replica import ENGINE_ERROR
 from async_rl.rollout.vllm_engine import (_Request, cache_salt, check_kv_cache_fits, check_model_for_vllm,
                                           engine_kwargs, finish_from_vllm, finished_output, require_vllm,
                                           startup_error_line, vllm_sampling_params, write_weights_file)
@@ -87,6 +89,7 @@ class VLLMSteppedEngine:
         self._weights_epoch = 0  # weight loads so far: the prefix-cache salt of new submissions
         self.asleep = False
         self.counters = {"resubmitted": 0, "engine_errors": 0, "weight_updates": 0, "sleeps": 0}
+        self.last_refusal: Optional[str] = None  # why vLLM last refused a request (it failed as an engine fault)
 
     # ------------------------------------------------------------------ state
     @property
@@ -117,6 +120,8 @@ class VLLMSteppedEngine:
             if any(not 0 <= int(t) < self.vocab_size for t in request.prompt_ids):
                 raise ValueError(f"request {request.request_id!r} has token ids outside the vocabulary "
                                  f"(0..{self.vocab_size - 1})")
+            if len(set(request.sampling.banned_token_ids) & set(range(self.vocab_size))) >= self.vocab_size:
+                raise ValueError(f"request {request.request_id!r} bans every token id: nothing could be sampled")
 
     def add_requests(self, requests: Sequence[GenerationRequest]) -> None:
         """Queue ``requests`` (all or none: a bad one raises ``ValueError`` naming it); they reach vLLM at the next
@@ -132,7 +137,8 @@ class VLLMSteppedEngine:
         """Send every pending request to vLLM with its kept prefix; one with nothing left to sample finishes here."""
         finished: list[GenerationOutput] = []
         pending, self._pending = self._pending, []
-        for request_id in pending:
+        while pending:
+            request_id = pending.pop(0)
             state = self._requests[request_id]
             context = list(state.request.prompt_ids) + state.token_ids
             remaining = state.request.sampling.max_new_tokens - len(state.token_ids)
@@ -146,9 +152,19 @@ class VLLMSteppedEngine:
             self._submissions[request_id] = submission + 1
             external_id = f"async_rl-{self._next_id}"
             self._next_id += 1
-            params = vllm_sampling_params(state.request.sampling, remaining, submission, self.vocab_size)
-            self.llm.add_request(external_id, {"prompt_token_ids": context,
-                                               "cache_salt": cache_salt(self._weights_epoch)}, params)
+            try:
+                params = vllm_sampling_params(state.request.sampling, remaining, submission, self.vocab_size)
+                self.llm.add_request(external_id, {"prompt_token_ids": context,
+                                                   "cache_salt": cache_salt(self._weights_epoch)}, params)
+            except ValueError as error:  # vLLM refused this request alone: it fails as an engine fault, never scored
+                state.finish, state.stop_detail = "aborted", ENGINE_ERROR
+                self.counters["engine_errors"] += 1
+                self.last_refusal = f"{type(error).__name__}: {error}"
+                finished.append(self._finish(request_id))
+                continue
+            except BaseException:
+                self._pending = [request_id, *pending, *self._pending]  # nothing unsent is lost
+                raise
             self._in_vllm[external_id], self._read[external_id] = request_id, 0
         return finished
 
@@ -201,10 +217,25 @@ class VLLMSteppedEngine:
         finished = self._submit_pending()
         iterations = 0
         while self._in_vllm and (max_tokens is None or iterations < max_tokens):
+            self._wait_for_output()
             for output in self.llm.step():
                 finished += self._record(output)
             iterations += 1
         return finished
+
+    def _wait_for_output(self) -> None:
+        """Block until vLLM's engine process has sent an output, or raise if that process died: vLLM's own
+        ``get_output`` would wait for ever then (its reader thread stops without a word when the process is gone)."""
+        core = self.llm.engine_core
+        outputs, resources = getattr(core, "outputs_queue", None), getattr(core, "resources", None)
+        if outputs is None or resources is None:  # an in-process engine core: step() computes the output itself
+            return
+        with outputs.not_empty:
+            while not len(outputs.queue):
+                if resources.engine_dead:
+                    raise RuntimeError("vLLM's engine process died (killed, or out of memory); this rollout engine "
+                                       "cannot go on")
+                outputs.not_empty.wait(0.05)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         """Run ``requests`` to completion (with any already unfinished); their outputs in request order."""
@@ -255,8 +286,8 @@ class VLLMSteppedEngine:
         platform with vLLM's sleep mode it also sleeps (KV cache freed, weights offloaded)."""
         self._take_back()
         if self.sleep_available and not self.asleep:
+            self.asleep = True  # first: a sleep that fails half-way must still be woken (vLLM paused its scheduler)
             self.llm.sleep(level=1)
-            self.asleep = True
             self.counters["sleeps"] += 1
 
     def _wake(self) -> None:
