@@ -311,6 +311,10 @@ def test_start_up_failures_end_at_once_with_one_line_naming_the_fix(ray_cluster,
     # what the frontend actually receives when the engine process fails: the fix is named there too
     assert "rollout.vllm_kv_cache_memory_bytes" in vllm_engine.startup_error_line(RuntimeError(
         "Engine core initialization failed. See root cause above. Failed core proc(s): {}"))
+    # a GPU shared with the trainer (rollout.mode=hybrid): vLLM's start-up check on free memory names the knob to lower
+    assert "lower rollout.vllm_gpu_memory_utilization" in vllm_engine.startup_error_line(ValueError(
+        "Free memory on device cuda:0 (30.1/79.2 GiB) on startup is less than desired GPU memory utilization (0.9, "
+        "71.3 GiB)."))
 
 
 def test_a_kv_cache_too_small_for_one_request_is_refused_before_any_process_starts(ray_cluster, vllm_model):
