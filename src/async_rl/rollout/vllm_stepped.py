@@ -120,7 +120,7 @@ class VLLMSteppedEngine:
             if any(not 0 <= int(t) < self.vocab_size for t in request.prompt_ids):
                 raise ValueError(f"request {request.request_id!r} has token ids outside the vocabulary "
                                  f"(0..{self.vocab_size - 1})")
-            if len(set(request.sampling.banned_token_ids) & set(range(self.vocab_size))) >= self.vocab_size:
+            if sum(1 for t in set(request.sampling.banned_token_ids) if 0 <= t < self.vocab_size) >= self.vocab_size:
                 raise ValueError(f"request {request.request_id!r} bans every token id: nothing could be sampled")
 
     def add_requests(self, requests: Sequence[GenerationRequest]) -> None:
