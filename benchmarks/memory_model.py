@@ -402,8 +402,11 @@ def _update_fn(shape: ModelShape, s: UpdateSetting):
                         kl_coef=0.01)
 
         def prepare(batch):
-            turns = role.turn_tensors(batch)
-            return batch, turns, role.compute_targets(batch, turns)
+            from async_rl.driver.batch import turn_tensors
+            from async_rl.driver.learner import shared_backbone_targets
+
+            turns = turn_tensors(batch)
+            return batch, turns, shared_backbone_targets(role, batch, turns, {})[1]
 
         def run(prepared):
             batch, turns, targets = prepared

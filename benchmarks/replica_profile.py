@@ -8,7 +8,7 @@ process: the ground truth of who used the 2 cores; (2) samples the same processe
 100 Hz, one stack per Python thread). A sample whose innermost frame is a wait (lock, condition, select, queue
 get, Ray's main loop) counts as idle; every other sample is charged to the stage of its innermost frame that
 names one: model forward (torch / transformers), engine (``rollout/hf_engine.py``: sampling, KV cache, per-token
-bookkeeping), server (``rollout/replica.py``, ``server_base.py``), pool (``rollout/client.py``), Ray (``ray/``,
+bookkeeping), server (``rollout/servers/hf.py``, ``server_base.py``), pool (``rollout/pool.py``), Ray (``ray/``,
 grpc, pickling), other. Each process's CPU seconds are split over the stages in proportion to its busy samples.
 
 Run: ``.venv/bin/python benchmarks/replica_profile.py`` (as root, or with ptrace allowed for py-spy);
@@ -37,8 +37,8 @@ STAGES = (  # the innermost frame matching one of these decides
     # py-spy names files relative to site-packages ("Linear.forward (torch/nn/modules/linear.py:134)")
     ("model forward", re.compile(r"[(/](torch|transformers)/")),
     ("engine", re.compile(r"async_rl/rollout/hf_engine\.py")),
-    ("server", re.compile(r"async_rl/rollout/(replica|server_base)\.py")),
-    ("pool", re.compile(r"async_rl/rollout/client\.py")),
+    ("server", re.compile(r"async_rl/rollout/(servers/|wire\.py)")),
+    ("pool", re.compile(r"async_rl/rollout/pool\.py")),
     ("Ray", re.compile(r"([(/]ray/|grpc|pickle)")),
 )
 WAITS = re.compile(r"^(Condition\.wait|Event\.wait|_wait_for_tstate_lock|\w*[Ss]elector\.select|select |"

@@ -2,7 +2,7 @@
 
 One tiny model at head_dim 32 (hidden 64, 2 heads, 1 KV head: vLLM's CPU minimum), fp32, one replica of each
 engine (each its own Ray actor; vLLM adds its engine-core/worker processes), the same requests through the same
-:class:`~async_rl.rollout.client.ReplicaPool`. Per engine and batch size ``b``: one warm-up round, then ``b``
+:class:`~async_rl.rollout.pool.ReplicaPool`. Per engine and batch size ``b``: one warm-up round, then ``b``
 requests of ``--new-tokens`` tokens (eos ignored, temperature 1) at once; tokens/s = all generated tokens / wall
 time of the round. Update latency: the pool's pause -> load -> resume of a perturbed state dict, median of
 ``--updates``. Mismatch: every generated token's behaviour log-prob against a transformers fp32 teacher-forced pass
@@ -65,7 +65,8 @@ def teacher_forced_gap(model_path: str, outputs) -> dict[str, float]:
 
 def run_engine(engine: str, model_path: str, args) -> dict:
     from async_rl.rollout.base import GenerationRequest, SamplingParams
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
 
     started = time.perf_counter()
     options = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 512}

@@ -4,7 +4,7 @@ weight-update latency, and tokens regenerated after an update (must be 0).
 For each replica count (standalone), and for one hybrid replica inside one train rank (``rollout.mode=hybrid``,
 where each publication follows a change of the actor's weights and copies them in memory), it streams ``--requests`` single-turn requests (``--new-tokens`` tokens each, eos
 ignored, at most ``--inflight`` live at once: a finished request is replaced at once, as the driver does) through
-a :class:`~async_rl.rollout.client.ReplicaPool` and reports requests ("trajectories") per second and tokens per
+a :class:`~async_rl.rollout.pool.ReplicaPool` and reports requests ("trajectories") per second and tokens per
 second. Meanwhile the driver publishes new weights ``--updates`` times: each publication pauses every replica,
 reads every live request's tokens at the pause (``HFRolloutServer.progress``), loads the new version and resumes;
 its wall time is the in-flight update latency. At the end every paused prefix is compared with the request's
@@ -55,13 +55,13 @@ def run_one(model_path: str, replicas: int, args, mode: str = "standalone", hook
 
     from async_rl.rollout.base import GenerationRequest, SamplingParams
     from async_rl.rollout.checkpoint_engine import in_process_handle, published_handle
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
     from async_rl.workers.placement import make_worker_groups
 
     groups = None
     if mode == "hybrid":  # one train rank (actor + fused rollout engine) per replica; the trainer's weights change
-        groups = make_worker_groups("colocated", replicas, None, model_path, with_critic=False,
-                                    rollout_kwargs={"share_actor_weights": False})
+        groups = make_worker_groups("colocated", replicas, None, model_path, with_critic=False)
         pool = ReplicaPool(launch_replicas("hf", replicas, model_path, chunk_tokens=args.chunk_tokens, mode="hybrid",
                                            worker_group=groups.process_groups[0]), "hf")
     else:

@@ -46,7 +46,7 @@ async def measure(model_path: str, updates: int) -> dict:
 
     from async_rl.models.loading import load_causal_lm
     from async_rl.rollout.checkpoint_engine import published_handle
-    from async_rl.rollout.vllm_engine import VLLMRolloutServer
+    from async_rl.rollout.servers.vllm import VLLMRolloutServer
 
     server = VLLMRolloutServer(model_path, engine_options={"kv_cache_memory_bytes": 64 << 20, "max_model_len": 512})
     started = await server.start()

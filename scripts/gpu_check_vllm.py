@@ -48,7 +48,8 @@ def main() -> None:
     from async_rl.models.loading import load_causal_lm
     from async_rl.rollout.base import GenerationRequest, SamplingParams
     from async_rl.rollout.checkpoint_engine import published_handle
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
 
     ray.init(include_dashboard=False)
     report: dict = {"engine": "vllm"}

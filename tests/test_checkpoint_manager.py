@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ray
 
 
 def test_manager_settings_are_checked():
-    from async_rl.rollout.client import ReplicaSettings
+    from async_rl.rollout.settings import ReplicaSettings
 
     assert ReplicaSettings.from_config({"weight_sync": "checkpoint_manager", "checkpoint_backend": "nccl"})
     with pytest.raises(ValueError, match="rollout.weight_sync='rsync'; valid choices: pool, checkpoint_manager"):
@@ -52,7 +52,8 @@ def test_verls_manager_moves_sharded_actor_weights_into_replicas_mid_response(ra
     import ray
 
     from async_rl.models.loading import load_causal_lm
-    from async_rl.rollout.client import ReplicaPool, attach_checkpoint_manager, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool, attach_checkpoint_manager
     from async_rl.rollout.hf_engine import HFRolloutEngine
     from async_rl.workers.placement import make_worker_groups
 
@@ -108,7 +109,8 @@ def test_a_replica_killed_before_a_manager_update_is_dropped_and_the_update_reac
                                                                                              tiny_model):
     import ray
 
-    from async_rl.rollout.client import ReplicaPool, attach_checkpoint_manager, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool, attach_checkpoint_manager
     from async_rl.workers.placement import make_worker_groups
 
     groups = make_worker_groups("disaggregated", 1, 0, str(tiny_model), with_critic=False)
@@ -140,7 +142,7 @@ def test_the_concurrent_driver_trains_with_verls_manager_moving_every_publicatio
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
-    from async_rl.rollout.client import ReplicaSettings
+    from async_rl.rollout.settings import ReplicaSettings
 
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
     spec = RunSpec(model_path=str(tiny_model), env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 64, 0),

@@ -71,7 +71,7 @@ def test_the_checker_finds_a_cycle():
 
 def test_no_import_cycle_in_async_rl():
     graph = import_graph()
-    assert "async_rl.rollout.replica" in graph["async_rl.rollout.replicas"]  # the graph sees real edges
+    assert "async_rl.rollout.servers.hf" in graph["async_rl.rollout.replicas"]  # the graph sees real edges
     assert cycles(graph) == []
 
 

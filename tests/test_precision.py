@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from async_rl.driver.learner import shared_backbone_targets
 from async_rl.driver.batch import collate, turn_tensors
 from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.engine import FSDPEngine, MicroBatchPlan, OptimizerConfig, TrainingSettings, dist
@@ -198,7 +199,7 @@ def test_sapo_chunked_readouts_equal_the_full_logits_path(tiny_dir):
 def _captured_update(role, batch, trajs):
     """SapoRole.update with the gradients read just before the optimizer step."""
     turns = turn_tensors(trajs)
-    targets = role.compute_targets(batch, turns)
+    _, targets = shared_backbone_targets(role, batch, turns, {})
     batch = {**batch, "behaviour_log_probs": targets["old_log_probs"] - 0.05 * batch["response_mask"]}
     captured = {}
     step = role.engine.step

@@ -355,7 +355,8 @@ def one_replica(tmp_path_factory):
     import ray
 
     from async_rl.models.tiny import make_tiny_model
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
 
     torch.set_num_threads(1)
     model = make_tiny_model(tmp_path_factory.mktemp("replica") / "m", hidden_size=32, num_layers=1)

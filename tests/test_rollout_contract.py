@@ -16,7 +16,7 @@ def test_the_contract_lists_exactly_the_protocols_members():
     assert members == set(ROLLOUT_CONTRACT)
 
 
-@pytest.mark.parametrize("where", ["async_rl.rollout.hf_engine:HFRolloutEngine", "async_rl.rollout.client:ReplicaPool"])
+@pytest.mark.parametrize("where", ["async_rl.rollout.hf_engine:HFRolloutEngine", "async_rl.rollout.pool:ReplicaPool"])
 def test_both_rollouts_implement_every_member_with_its_signature(where):
     import importlib
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.ray
 
 # ---------------------------------------------------------------------------------------------- no Ray needed
 def test_hybrid_settings_are_checked_before_anything_starts():
-    from async_rl.rollout.client import ReplicaSettings
+    from async_rl.rollout.settings import ReplicaSettings
 
     assert ReplicaSettings.from_config({"mode": "hybrid"}).mode == "hybrid"  # hf: supported (vllm: test_vllm_hybrid)
     with pytest.raises(ValueError, match="rollout.mode=hybrid runs the hf or vllm engine inside the train workers; "
@@ -56,11 +56,11 @@ def test_release_cache_keeps_every_token_and_the_continuation_is_exact(tmp_path)
 # ---------------------------------------------------------------------------------------------- on Ray
 def _hybrid(model, train_workers=1, chunk_tokens=2, **pool_kwargs):
     """Colocated train ranks (actor + rollout engine with its own weight copy) and one hybrid replica per rank."""
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
     from async_rl.workers.placement import make_worker_groups
 
-    groups = make_worker_groups("colocated", train_workers, None, str(model), with_critic=False,
-                                rollout_kwargs={"share_actor_weights": False})
+    groups = make_worker_groups("colocated", train_workers, None, str(model), with_critic=False)
     try:
         replicas = launch_replicas("hf", train_workers, str(model), mode="hybrid",
                                    worker_group=groups.process_groups[0], chunk_tokens=chunk_tokens)
@@ -184,8 +184,8 @@ def test_sleep_parks_a_hybrid_replica_with_its_tokens_and_wake_up_continues(ray_
     assert len(by_id["p1/r0/turn0"].token_ids) == 3
 
 
-def test_a_hybrid_replica_needs_a_rollout_engine_with_its_own_weights_in_the_train_rank(ray_cluster, tiny_model):
-    from async_rl.rollout.client import launch_replicas
+def test_a_hybrid_replica_needs_a_rollout_engine_in_the_train_rank(ray_cluster, tiny_model):
+    from async_rl.rollout.launch import launch_replicas
     from async_rl.workers.placement import make_worker_groups
 
     train_only = make_worker_groups("disaggregated", 1, 0, str(tiny_model), with_critic=False)
@@ -194,10 +194,10 @@ def test_a_hybrid_replica_needs_a_rollout_engine_with_its_own_weights_in_the_tra
             launch_replicas("hf", 1, str(tiny_model), mode="hybrid", worker_group=train_only.process_groups[0])
     finally:
         train_only.shutdown()
-    shared = make_worker_groups("colocated", 1, None, str(tiny_model), with_critic=False)  # runs the actor's module
+    with pytest.raises(ValueError, match=r"disaggregated: n_rollout_workers must be 0.*replicas"):
+        make_worker_groups("disaggregated", 1, 1, str(tiny_model), with_critic=False)
+    shared = make_worker_groups("colocated", 1, None, str(tiny_model), with_critic=False)
     try:
-        with pytest.raises(RuntimeError, match=r"needs its own weight copy.*share_actor_weights': False"):
-            launch_replicas("hf", 1, str(tiny_model), mode="hybrid", worker_group=shared.process_groups[0])
         with pytest.raises(ValueError, match=r"rollout.replicas=2 but trainer.train_workers=1"):
             launch_replicas("hf", 2, str(tiny_model), mode="hybrid", worker_group=shared.process_groups[0])
     finally:
@@ -207,7 +207,7 @@ def test_a_hybrid_replica_needs_a_rollout_engine_with_its_own_weights_in_the_tra
 def test_a_dead_train_rank_fails_its_hybrid_replica_without_a_hang(ray_cluster, tiny_model):
     import ray
 
-    from async_rl.rollout.client import ReplicaFailure
+    from async_rl.rollout.pool import ReplicaFailure
 
     groups, pool = _hybrid(tiny_model, health_check_s=0.2, health_timeout_s=5.0)
     try:
@@ -233,7 +233,7 @@ def test_both_schedulers_train_on_hybrid_replicas_inside_the_train_rank(ray_clus
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
-    from async_rl.rollout.client import ReplicaSettings
+    from async_rl.rollout.settings import ReplicaSettings
 
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
     spec = RunSpec(model_path=str(tiny_model), env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 64, 0),

@@ -20,7 +20,7 @@ def test_hf_replica_and_checkpoint_engine_are_registered_in_verls_registries():
     from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
     from async_rl.rollout.checkpoint_engine import ObjectStoreCheckpointEngine
-    from async_rl.rollout.replica import VersionedTokenOutput
+    from async_rl.rollout.wire import VersionedTokenOutput
     from async_rl.rollout.replicas import HFReplica
 
     assert RolloutReplicaRegistry.get("hf") is HFReplica and issubclass(HFReplica, RolloutReplica)
@@ -43,7 +43,7 @@ def test_engine_not_installed_here_fails_with_the_install_hint():
 
 
 def test_sampling_dict_round_trip_and_errors():
-    from async_rl.rollout.replica import sampling_from_server_dict, sampling_to_server_dict
+    from async_rl.rollout.wire import sampling_from_server_dict, sampling_to_server_dict
 
     sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, stop_strings=("</a>",),
                               stop_token_ids=(5,), banned_token_ids=(3, 4), seed=11)
@@ -60,7 +60,8 @@ def test_sampling_dict_round_trip_and_errors():
 
 
 def test_episode_key_and_settings_validation():
-    from async_rl.rollout.client import ReplicaSettings, episode_key
+    from async_rl.rollout.pool import episode_key
+    from async_rl.rollout.settings import ReplicaSettings
 
     assert episode_key("p3/r1/turn2") == episode_key("p3/r1/turn0") == "p3/r1"
     assert episode_key("free-form") == "free-form"
@@ -77,7 +78,8 @@ def test_episode_key_and_settings_validation():
 
 # ---------------------------------------------------------------------------------------------- on Ray
 def _pool(model, n, **kwargs):
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
 
     return ReplicaPool(launch_replicas("hf", n, str(model), chunk_tokens=kwargs.pop("chunk_tokens", 2)), "hf",
                        **kwargs)
@@ -251,7 +253,7 @@ def test_a_killed_replica_aborts_and_counts_its_requests_and_the_other_goes_on(r
 
 @pytest.mark.slow
 def test_a_hung_replica_is_detected_within_the_health_timeout_and_stop_names_it(ray_cluster, tiny_model):
-    from async_rl.rollout.client import ReplicaFailure
+    from async_rl.rollout.pool import ReplicaFailure
 
     pool = _pool(tiny_model, 2, health_check_s=0.2, health_timeout_s=2.0, on_replica_failure="stop")
     try:
@@ -286,7 +288,8 @@ def test_concurrent_driver_on_two_replicas_survives_a_replica_killed_mid_run(ray
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
-    from async_rl.rollout.client import ReplicaPool, ReplicaSettings
+    from async_rl.rollout.pool import ReplicaPool
+    from async_rl.rollout.settings import ReplicaSettings
 
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
     spec = RunSpec(model_path=str(tiny_model), env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 64, 0),
@@ -430,7 +433,8 @@ def test_the_deterministic_scheduler_on_ray_workers_also_generates_on_the_replic
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
-    from async_rl.rollout.client import ReplicaPool, ReplicaSettings
+    from async_rl.rollout.pool import ReplicaPool
+    from async_rl.rollout.settings import ReplicaSettings
 
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
     spec = RunSpec(model_path=str(tiny_model), env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 32, 0),
@@ -449,7 +453,7 @@ def test_the_deterministic_scheduler_on_ray_workers_also_generates_on_the_replic
 def test_replicas_that_do_not_fit_in_ray_fail_at_once_naming_the_setting(ray_cluster, tiny_model):
     import ray
 
-    from async_rl.rollout.client import launch_replicas
+    from async_rl.rollout.launch import launch_replicas
 
     free = ray.available_resources().get("CPU", 0.0)
     with pytest.raises(RuntimeError, match=r"lower rollout.cpus_per_replica"):
@@ -463,7 +467,7 @@ def test_a_stuck_decode_loop_shows_in_ping_while_an_idle_one_does_not(tiny_model
     import asyncio
     import threading
 
-    from async_rl.rollout.replica import HFRolloutServer
+    from async_rl.rollout.servers.hf import HFRolloutServer
 
     torch.set_num_threads(1)
     server = HFRolloutServer(str(tiny_model), chunk_tokens=1)
@@ -497,7 +501,7 @@ def test_a_stuck_decode_loop_shows_in_ping_while_an_idle_one_does_not(tiny_model
 def test_the_pool_fails_a_replica_whose_ping_reports_a_stalled_decode_loop(ray_cluster):
     import ray
 
-    from async_rl.rollout.client import ReplicaPool
+    from async_rl.rollout.pool import ReplicaPool
 
     class _Method:  # stands in for a Ray actor method: .remote() gives an ObjectRef
         def __init__(self, value):
@@ -528,7 +532,7 @@ def test_a_plain_verl_token_output_gets_its_text_decoded_and_its_finish_reason_r
     from transformers import AutoTokenizer
     from verl.workers.rollout.replica import TokenOutput
 
-    from async_rl.rollout.replica import token_output_to_generation
+    from async_rl.rollout.wire import token_output_to_generation
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     ids = tokenizer.encode("look north. open box", add_special_tokens=False)
@@ -558,8 +562,8 @@ def test_an_engine_error_fails_its_request_as_an_engine_fault_never_resubmitted_
     import ray
 
     from async_rl.driver.episode import Episode, EpisodeLimits
-    from async_rl.rollout.client import ReplicaPool
-    from async_rl.rollout.replica import ENGINE_ERROR, VersionedTokenOutput
+    from async_rl.rollout.pool import ReplicaPool
+    from async_rl.rollout.wire import ENGINE_ERROR, VersionedTokenOutput
 
     calls = []
 
@@ -603,7 +607,7 @@ def test_an_engine_error_fails_its_request_as_an_engine_fault_never_resubmitted_
 
 def test_a_replica_pinned_to_a_resource_no_node_has_fails_at_once_naming_the_nodes_resources(ray_cluster, tiny_model):
     """Ray would leave such a replica pending forever (a typo'd resource, or a node that has not joined)."""
-    from async_rl.rollout.client import launch_replicas
+    from async_rl.rollout.launch import launch_replicas
 
     with pytest.raises(ValueError, match=r"replica_resources\[0\]=\{'rolout_node': 1\} with rollout.cpus_per_replica=1: "
                                          r"no node of this Ray cluster has all of \{CPU: 1, rolout_node: 1\}.*"
@@ -614,26 +618,26 @@ def test_a_replica_pinned_to_a_resource_no_node_has_fails_at_once_naming_the_nod
 def test_pinned_replicas_are_checked_per_node_with_their_cpus_and_in_total(monkeypatch):
     """The layout docs/architecture.md describes (a node with no CPU and only a custom resource) holds a replica
     only at rollout.cpus_per_replica=0; two replicas cannot share a resource one node has once."""
-    import async_rl.rollout.client as client
+    import async_rl.rollout.launch as launch
 
     nodes = [{"Alive": True, "Resources": {"CPU": 4.0, "head_node": 4.0, "node:127.0.0.1": 1.0}},
              {"Alive": True, "Resources": {"rollout_node": 1.0, "node:127.0.0.2": 1.0}},
              {"Alive": False, "Resources": {"CPU": 8.0, "rollout_node": 8.0}}]  # a dead node holds nothing
-    monkeypatch.setattr(client.ray, "nodes", lambda: nodes)
-    client._check_resources_exist([{"head_node": 1}, {"rollout_node": 1}], 0.0)  # fits
-    client._check_resources_exist([{"head_node": 1}, None], 1.0)  # the head has CPUs
+    monkeypatch.setattr(launch.ray, "nodes", lambda: nodes)
+    launch._check_resources_exist([{"head_node": 1}, {"rollout_node": 1}], 0.0)  # fits
+    launch._check_resources_exist([{"head_node": 1}, None], 1.0)  # the head has CPUs
     with pytest.raises(ValueError, match=r"\[1\].*no node of this Ray cluster has all of \{CPU: 1, rollout_node: 1\} "
                                          r"\(its nodes: \{CPU: 4, head_node: 4\}; \{rollout_node: 1\}\).*lower "
                                          r"rollout.cpus_per_replica"):
-        client._check_resources_exist([{"head_node": 1}, {"rollout_node": 1}], 1.0)
+        launch._check_resources_exist([{"head_node": 1}, {"rollout_node": 1}], 1.0)
     with pytest.raises(ValueError, match=r"2 of Ray resource 'rollout_node' in all, but this cluster has 1"):
-        client._check_resources_exist([{"rollout_node": 1}, {"rollout_node": 1}], 0.0)
+        launch._check_resources_exist([{"rollout_node": 1}, {"rollout_node": 1}], 0.0)
 
 
 def test_replica_resources_are_checked_before_anything_starts():
     """launch_replicas(replica_resources=...): one mapping per replica, positive amounts, standalone hf/vllm only (the
     config's own rules, ReplicaSettings); refused in one line before Ray is asked for anything (tests/test_two_nodes.py pins replicas to nodes with it)."""
-    from async_rl.rollout.client import launch_replicas
+    from async_rl.rollout.launch import launch_replicas
 
     with pytest.raises(ValueError, match=r"give one mapping \(or null\) per replica, 2 in all"):
         launch_replicas("hf", 2, "/nonexistent", replica_resources=[{"node_a": 1}])

@@ -92,13 +92,13 @@ class _RecordingSapoGroup:
     def __init__(self):
         self.sent = {}
 
-    def compute_sapo_targets(self, proto, **kwargs):
+    def compute_sapo_readouts(self, proto, **kwargs):
         from verl.protocol import DataProto
 
-        self.sent["targets"] = proto
-        # one target column per row (its row index), so the returned order and un-padding are visible
-        return DataProto.from_dict(tensors={"target_turn_mask": proto.batch["turn_mask"],
-                                            "target_row": torch.arange(len(proto), dtype=torch.float32)})
+        self.sent["readouts"] = proto
+        # one readout column per row (its row index), so the returned order and un-padding are visible
+        return DataProto.from_dict(tensors={"readout_turn_mask": torch.ones(len(proto), 2),
+                                            "readout_row": torch.arange(len(proto), dtype=torch.float32)})
 
     def update_sapo(self, proto, **kwargs):
         from verl.protocol import DataProto
@@ -121,16 +121,15 @@ def test_remote_sapo_pads_odd_batches_with_zero_weight_rows():
     remote = RemoteSapo(group, reserved_ids=(7, 8))
     assert remote.banned_token_ids == (7, 8)
 
-    targets = remote.compute_targets(batch, turns, gamma=0.9, lam=0.5, invalid_penalty=0.3)
-    sent = group.sent["targets"]
-    # 3 rows on 2 ranks: one added row that holds no model token and no valid turn
+    readouts = remote.readouts(batch, num_turns=K)
+    sent = group.sent["readouts"]
+    # 3 rows on 2 ranks: one added row that holds no model token
     assert len(sent) == 4
-    assert sent.batch["response_mask"][3].sum() == 0 and sent.batch["turn_mask"][3].sum() == 0
-    assert sent.batch["turn_rewards"][3].sum() == K  # copied, but weightless through the masks
-    assert sent.meta_info == {"gamma": 0.9, "lam": 0.5, "invalid_penalty": 0.3}
-    assert targets["row"].tolist() == [0.0, 1.0, 2.0] and set(targets) == {"turn_mask", "row"}
+    assert sent.batch["response_mask"][3].sum() == 0 and sent.batch["responses"][3].sum() == T  # copied, weightless
+    assert sent.meta_info == {"num_turns": K}
+    assert readouts["row"].tolist() == [0.0, 1.0, 2.0] and set(readouts) == {"turn_mask", "row"}
 
-    targets["token_advantages"] = torch.full((bs, T), 2.0)
+    targets = {"turn_mask": torch.ones(bs, K), "token_advantages": torch.full((bs, T), 2.0)}
     metrics = remote.update(batch, turns, targets, clip_eps=0.1, c_v=0.7, kl_coef=0.0)
     sent = group.sent["update"]
     assert len(sent) == 4

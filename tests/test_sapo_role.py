@@ -9,6 +9,8 @@ import torch
 
 from async_rl.algos.sapo import ppo_clip_token_loss, restricted_entropy, turn_value_loss
 from async_rl.driver.batch import collate, turn_tensors
+from async_rl.config import AlgorithmConfig
+from async_rl.driver.learner import shared_backbone_targets
 from async_rl.driver.trajectory import Segment, Trajectory
 from async_rl.engine.base import OptimizerConfig
 from async_rl.models.loading import load_tokenizer
@@ -44,6 +46,12 @@ def tokenizer(tiny_dir):
 @pytest.fixture(scope="module")
 def reserved(tokenizer):
     return resolve_reserved_ids(tokenizer)
+
+
+def sapo_targets_of(role, batch, turns, **settings):
+    """The learner's path: the role's frozen readouts -> the registered sapo_turn estimator -> the update's
+    targets (settings: gamma, sapo_lambda, sapo_invalid_penalty; the AlgorithmConfig defaults otherwise)."""
+    return shared_backbone_targets(role, batch, turns, {**vars(AlgorithmConfig(name="sapo")), **settings})[1]
 
 
 def make_role(tiny_dir, reserved, lr=0.0, kl_coef=0.0, **kwargs):
@@ -303,7 +311,7 @@ def test_targets_match_hand_computation(tiny_dir, tokenizer, reserved, monkeypat
 
     monkeypatch.setattr(role, "evaluate", fake_evaluate)
     gamma, lam, c_inv = 0.9, 0.8, 0.1
-    tg = role.compute_targets(batch, turns, gamma=gamma, lam=lam, invalid_penalty=c_inv)
+    tg = sapo_targets_of(role, batch, turns, gamma=gamma, sapo_lambda=lam, sapo_invalid_penalty=c_inv)
 
     # trajectory a (terminal after turn 2):
     #   δ2 = 1 - (-0.1) = 1.1                 A2 = 1.1
@@ -351,7 +359,7 @@ def test_value_loss_is_a_mean_over_turns_not_tokens(tiny_dir, tokenizer, reserve
         role.micro_batch_size = micro_batch_size
         batch = on_policy(role, [traj] * rows, tokenizer.pad_token_id)
         turns = turn_tensors([traj] * rows)
-        tg = role.compute_targets(batch, turns)
+        tg = sapo_targets_of(role, batch, turns)
         tg["y_v"] = y_v.expand(rows, 2).clone()
         metrics = role.update(batch, turns, tg, kl_coef=0.0)
         return metrics["sapo/v_loss"], tg["p_v_old"][0]
@@ -376,7 +384,7 @@ def test_update_changes_weights_and_lowers_the_joint_loss(tiny_dir, tokenizer, r
     trajs = two_trajectories()
     batch = on_policy(role, trajs, tokenizer.pad_token_id)
     turns = turn_tensors(trajs)
-    tg = role.compute_targets(batch, turns)
+    tg = sapo_targets_of(role, batch, turns)
     assert "ref_log_probs" in tg
     before = role.export_weights()
     kwargs = {k: SAPO_DEFAULTS[k] for k in ("clip_eps", "clip_v", "clip_q", "c_v", "c_q")}
@@ -400,7 +408,7 @@ def test_model_token_equal_to_a_reserved_id_is_rejected(tiny_dir, tokenizer, res
     bad = trajectory("x", [11, 12], [([40, reserved[0]], None)])
     batch = collate([bad], tokenizer.pad_token_id)
     with pytest.raises(ValueError, match="must ban"):
-        role.compute_targets(batch, turn_tensors([bad]))
+        sapo_targets_of(role, batch, turn_tensors([bad]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -425,12 +433,17 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: s
         tokenizer = load_tokenizer(model_dir)
         reserved = resolve_reserved_ids(tokenizer)
         role = make_role(model_dir, reserved, lr=1e-3, kl_coef=0.01, micro_batch_size=1)
-        n = 4 // world_size
-        trajs = four_trajectories()[rank * n:(rank + 1) * n]
+        trajs = four_trajectories()
         batch = on_policy(role, trajs, tokenizer.pad_token_id)
         turns = turn_tensors(trajs)
-        targets = role.compute_targets(batch, turns)
-        metrics = role.update(batch, turns, targets, c_h=0.01)
+        # the driver's job, on the whole batch (its readouts gathered from the ranks): Â's μ_B and σ_B are global
+        targets = sapo_targets_of(role, batch, turns)
+        n = 4 // world_size
+        rows = slice(rank * n, (rank + 1) * n)
+
+        def mine(tensors):
+            return {key: value[rows] for key, value in tensors.items()}
+        metrics = role.update(mine(batch), mine(turns), mine(targets), c_h=0.01)
         weights = role.export_weights()
         torch.save({"targets": targets, "metrics": metrics, "weights": weights},
                    os.path.join(out_dir, f"w{world_size}_r{rank}.pt"))
@@ -452,11 +465,9 @@ def test_data_parallel_update_equals_single_process(tiny_dir, tmp_path):
                                for r in range(world_size)]
     (single,) = results[1]
     for rank, part in enumerate(results[2]):
-        rows = slice(2 * rank, 2 * rank + 2)
-        K = part["targets"]["turn_mask"].shape[1]
-        # batch statistics of Â are global: the halves see the whole batch's μ_B, σ_B
-        torch.testing.assert_close(part["targets"]["norm_advantages"],
-                                   single["targets"]["norm_advantages"][rows, :K], atol=1e-5, rtol=0)
+        # every rank read the same readouts with its FSDP shard of the weights: the same frozen targets
+        for key, value in single["targets"].items():
+            torch.testing.assert_close(part["targets"][key], value, atol=1e-5, rtol=0)
         for key, value in single["metrics"].items():
             assert part["metrics"][key] == pytest.approx(value, abs=1e-5), key
         for name, tensor in single["weights"].items():

@@ -105,7 +105,8 @@ def test_weights_reach_a_replica_on_another_node_and_losing_that_node_aborts_its
     import ray
 
     from async_rl.models.loading import load_causal_lm
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
 
     cluster, add_second_node = two_nodes
     second = add_second_node(2)
@@ -186,23 +187,23 @@ def test_the_concurrent_driver_trains_with_a_replica_on_a_second_node_and_goes_o
     import ray
 
     import async_rl.envs.toy  # noqa: F401
-    import async_rl.rollout.client as client
+    import async_rl.rollout.launch as launch
     from async_rl.config import AlgorithmConfig
     from async_rl.assemble import RunSpec, build_concurrent_driver
     from async_rl.driver.checkpoint import list_checkpoints, read_checkpoint
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
-    from async_rl.rollout.client import ReplicaSettings
+    from async_rl.rollout.settings import ReplicaSettings
 
     cluster, add_second_node = two_nodes
-    real_launch, nodes = client.launch_replicas, {}
+    real_launch, nodes = launch.launch_replicas, {}
 
     def launch_on_two_nodes(*args, **kwargs):  # the trainer is placed: the second node joins, for a replica only
         nodes["second"] = add_second_node(1)
         return real_launch(*args, **{**kwargs, "replica_resources": [{"head_node": 1}, {"second_node": 1}]})
 
-    monkeypatch.setattr(client, "launch_replicas", launch_on_two_nodes)
+    monkeypatch.setattr(launch, "launch_replicas", launch_on_two_nodes)
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=8, group_size=4, actor_lr=1e-3)
     spec = RunSpec(model_path=str(tiny_model), env_name="toy_keys", tasks=make_toy_tasks("toy_keys", 64, 0),
                    max_new_tokens=6, limits=EpisodeLimits(max_turns=2, max_response_tokens=40), workers="ray",
@@ -255,7 +256,8 @@ def test_a_vllm_replica_on_the_second_node_receives_weights_with_no_shared_path(
 
     from async_rl.models.loading import load_causal_lm
     from async_rl.models.tiny import make_tiny_model
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
 
     cluster, add_second_node = two_nodes
     second = add_second_node(2)

@@ -3,12 +3,13 @@
 One module-scoped Ray instance with more logical CPUs than the machine has cores (a scheduling label
 only), two placements started once (starting worker processes is the slow part):
 
-* ``disagg``: actor + critic on 2 train processes (FSDP over gloo), 1 rollout process;
-* ``coloc``: 2 processes, each with actor + critic + rollout engine (weights shared in memory).
+* ``disagg``: actor + critic on 2 train processes (FSDP over gloo), no rollout engine;
+* ``coloc``: 2 processes, each with actor + critic + rollout engine (its own copy of the weights), served as
+  rollout.mode=hybrid replicas.
 
-Checks: DP through verl's dispatch equals one in-process role; rollout behaviour log-probs equal the
-actor's log-probs; both placements give the same rollouts; a failing or slow worker call surfaces at
-the driver with a named error within a bounded time.
+Checks: DP through verl's dispatch equals one in-process role; the hybrid replicas' behaviour log-probs equal the
+actor's log-probs after a publication; a failing or slow worker call surfaces at the driver with a named error
+within a bounded time.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _groups(placement, n_train, n_rollout, tiny_dir):
 
 @pytest.fixture(scope="module")
 def disagg(ray_cluster, tiny_dir):
-    groups = _groups("disaggregated", 2, 1, tiny_dir)
+    groups = _groups("disaggregated", 2, 0, tiny_dir)
     yield groups
     shutdown_worker_groups(groups)
 
@@ -72,13 +73,6 @@ def disagg(ray_cluster, tiny_dir):
 @pytest.fixture(scope="module")
 def coloc(ray_cluster, tiny_dir, disagg):
     groups = _groups("colocated", 2, None, tiny_dir)
-    yield groups
-    shutdown_worker_groups(groups)
-
-
-@pytest.fixture(scope="module")
-def coloc_single(ray_cluster, tiny_dir, disagg):
-    groups = _groups("colocated", 1, None, tiny_dir)
     yield groups
     shutdown_worker_groups(groups)
 
@@ -104,12 +98,6 @@ def training_batch(seed: int = 0, n: int = 5) -> tuple[dict, torch.Tensor]:
     batch = collate(trajectories, PAD_ID)
     advantages = torch.randn(batch["responses"].shape, generator=g) * batch["response_mask"]
     return batch, advantages
-
-
-def requests(n: int = 4, max_new_tokens: int = 8, seed0: int = 100) -> list[dict]:
-    return [{"request_id": f"r{i}", "prompt_ids": list(range(10 + i, 14 + 2 * i)),
-             "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens, "seed": seed0 + i,
-                          "ignore_eos": True}} for i in range(n)]
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -201,63 +189,45 @@ def test_two_critic_ranks_rank_loss_is_eq11_over_the_global_batch(disagg, tiny_d
     # step are not (it divides by |g|, so float noise in near-zero entries flips their update: 1.7e-3 measured)
 
 
-def test_rollout_logprobs_equal_actor_logprobs(disagg):
-    """Weights published through the object store with a version; the rollout's behaviour log-probs
-    equal the actor worker's compute_log_probs on the same tokens."""
-    disagg.remote_actor().update(*training_batch(seed=5), "vanilla")  # weights differ from the checkpoint
-    assert disagg.sync_weights(7) == [7]
-    outputs = disagg.generate(requests(n=3, max_new_tokens=10))
-    trajectories = [Trajectory(uid=str(o.request_id), group_id="g", prompt_index=i, prompt_ids=o.prompt_ids,
-                               segments=[Segment("model", o.token_ids, o.logprobs, o.versions)])
-                    for i, o in enumerate(outputs)]
-    assert all(v == 7 for o in outputs for v in o.versions)
-    batch = collate(trajectories, PAD_ID)
-    actor_lp = disagg.remote_actor().log_probs(batch)
-    mask = batch["response_mask"].bool()
-    assert mask.sum() == 30
-    assert torch.allclose(actor_lp[mask], batch["behaviour_log_probs"][mask], atol=1e-4)
-
-
 @pytest.mark.slow
-def test_colocated_and_disaggregated_rollouts_are_identical(disagg, coloc, coloc_single):
-    """Same weights (checkpoint round trip), one identical training step in each placement, then the
-    same seeded requests at the same version: identical token ids, versions and log-probs.
+def test_hybrid_replicas_on_two_fsdp_ranks_sample_under_the_actors_published_weights(coloc, tiny_dir):
+    """The product's colocated path (rollout.mode=hybrid): one replica per FSDP rank, each engine holding its own
+    copy of the weights. After an actor update, nothing reaches the engines until the publication; then each rank
+    all-gathers the sharded actor in memory and the rollout's behaviour log-probs equal the actor worker's
+    compute_log_probs on the same tokens, on both replicas. The log-probs before the publication are those of the
+    checkpoint, and differ from the updated actor's."""
+    from async_rl.rollout.base import GenerationRequest, SamplingParams
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool, episode_key
 
-    ``coloc`` (2 FSDP ranks) gathers the actor's weights in-process into its engines; ``coloc_single``
-    (1 rank) runs the actor's module itself in its engine (no copy at all)."""
-    assert {i["mode"] for i in coloc.init_info["rollout"]} == {"colocated-copy"}
-    assert {i["mode"] for i in coloc_single.init_info["rollout"]} == {"shared-module"}
-    disagg_actor = disagg.remote_actor()
-    checkpoint = disagg_actor.state_dict()
-    batch, advantages = training_batch(seed=2, n=4)
-    disagg_actor.update(batch, advantages, "vanilla")
-    assert disagg.sync_weights(3) == [3]
-    reqs = requests(n=4, max_new_tokens=8, seed0=7)
-    out_d = disagg.generate(reqs)
+    def generate(pool, tag):
+        out = pool.generate([GenerationRequest(f"{tag}{i}/r0/turn0", list(range(10 + i, 14 + 2 * i)),
+                                               SamplingParams(max_new_tokens=10, seed=100 + i, ignore_eos=True))
+                             for i in range(4)])
+        trajectories = [Trajectory(uid=str(o.request_id), group_id="g", prompt_index=i, prompt_ids=o.prompt_ids,
+                                   segments=[Segment("model", o.token_ids, o.logprobs, o.versions)])
+                        for i, o in enumerate(out)]
+        return out, collate(trajectories, PAD_ID)
 
-    for groups, n in ((coloc, 2), (coloc_single, 1)):
-        actor = groups.remote_actor()
-        actor.load_state_dict(checkpoint)
-        actor.update(batch, advantages, "vanilla")
-        if groups is coloc_single:  # the engine sees the new weights at once: it refuses a stale version
-            with pytest.raises(WorkerCallError, match="sync_from_actor"):
-                groups.generate(reqs)
-        assert groups.sync_weights(3) == [3] * n
-        out_c = groups.generate(reqs)
-        assert [o.request_id for o in out_c] == [r["request_id"] for r in reqs]
-        for c, d in zip(out_c, out_d):
-            assert c.token_ids == d.token_ids
-            assert c.versions == d.versions == [3] * len(d.token_ids)
-            assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-5)
+    assert [info["device"] for info in coloc.init_info["rollout"]] == ["cpu", "cpu"]
+    pool = coloc.rollout_pool = ReplicaPool(launch_replicas("hf", 2, tiny_dir, mode="hybrid",
+                                                            worker_group=coloc.process_groups[0]), "hf")
+    assert len(set(pool.pids)) == 2 and pool.takes_version_only
+    actor = coloc.remote_actor()
+    actor.update(*training_batch(seed=5), "vanilla")  # the actor's weights now differ from the checkpoint
+    stale, stale_batch = generate(pool, "a")
+    assert all(v == 0 for o in stale for v in o.versions)
+    mask = stale_batch["response_mask"].bool()
+    assert mask.sum() == 40
+    gap = (actor.log_probs(stale_batch)[mask] - stale_batch["behaviour_log_probs"][mask]).abs().max()
+    assert gap > 1e-2  # version 0 is the checkpoint, not the updated actor
 
-    # the DataProto form of the same call gives the same result
-    from async_rl.workers.proto import batch_to_proto as to_proto
-    from async_rl.workers.rollout_worker import outputs_from_proto
-
-    proto = to_proto({"prompt_ids": [r["prompt_ids"] for r in reqs], "request_id": [r["request_id"] for r in reqs],
-                      "seed": [r["sampling"]["seed"] for r in reqs]},
-                     {"sampling": {k: v for k, v in reqs[0]["sampling"].items() if k != "seed"}})
-    assert [o.token_ids for o in outputs_from_proto(coloc.generate(proto))] == [o.token_ids for o in out_c]
+    pool.update_weights(None, 7)  # hybrid: only the version travels; each rank copies its actor's weights in
+    fresh, batch = generate(pool, "b")
+    assert all(v == 7 for o in fresh for v in o.versions)
+    served_by = {pool._affinity[episode_key(o.request_id)] for o in fresh}  # least outstanding: 2 | 2
+    assert served_by == {0, 1}, "both ranks' engines should have served requests"
+    assert torch.allclose(actor.log_probs(batch)[mask], batch["behaviour_log_probs"][mask], atol=1e-4)
 
 
 @pytest.mark.slow
@@ -273,7 +243,7 @@ def test_worker_errors_surface_with_names_and_never_hang(disagg):
 
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError) as info:
-        disagg.rollout.ping(sleep_s=3, timeout_s=1)
+        disagg.critic.ping(sleep_s=3, timeout_s=1)
     assert time.monotonic() - start < 3
     assert "ping" in str(info.value) and info.value.worker in str(info.value)
 
@@ -295,7 +265,7 @@ def test_worker_errors_surface_with_names_and_never_hang(disagg):
 
     # both groups are still usable (the failure happened before any collective)
     assert [p["rank"] for p in disagg.actor.ping(timeout_s=60)] == [0, 1]
-    assert disagg.rollout.ping(timeout_s=60)[0]["class"] == "RolloutWorker"
+    assert disagg.critic.ping(timeout_s=60)[0]["class"] == "CriticWorker"
 
 
 @pytest.mark.slow
@@ -306,6 +276,8 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
     from async_rl.models.loading import load_tokenizer
     from async_rl.workers.placement import _group, _pool
     from async_rl.driver.batch import turn_tensors
+    from async_rl.driver.learner import shared_backbone_targets
+    from async_rl.workers.remote import RemoteSapo
     from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
     from async_rl.workers.proto import batch_to_proto, metrics_from_proto
     from async_rl.workers.sapo_worker import SapoWorker
@@ -319,8 +291,10 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
                    worker_env={"TOKENIZERS_PARALLELISM": "false"}).spawn(prefix_set=["actor"])["actor"]
     try:
         group.init_model()
-        targets = group.compute_sapo_targets(batch_to_proto(proto_in))
-        out = group.update_sapo(batch_to_proto({**proto_in, **{k: targets.batch[k] for k in targets.batch.keys()}}))
+        # the driver's path: readouts from the ranks, the registered estimator on the whole batch, the update
+        remote = RemoteSapo(group, reserved_ids=resolve_reserved_ids(load_tokenizer(tiny_dir)))
+        _, targets = shared_backbone_targets(remote, batch, turns, {})
+        out = group.update_sapo(batch_to_proto({**proto_in, **{f"target_{k}": v for k, v in targets.items()}}))
         remote_weights = group.export_weights()[0]
     finally:
         ray.util.remove_placement_group(pool.pgs[0]) if pool.pgs else None
@@ -330,7 +304,7 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
     local = SapoRole(load_causal_lm(tiny_dir), OPTIM,
                      reserved_ids=resolve_reserved_ids(load_tokenizer(tiny_dir)))
     before = local.export_weights()
-    local_targets = local.compute_targets(batch, turns)
+    _, local_targets = shared_backbone_targets(local, batch, turns, {})
     local_metrics = local.update(batch, turns, local_targets)
     after = local.export_weights()
     assert max_diff(after, before) > 5e-4

@@ -17,7 +17,8 @@ def test_the_concurrent_driver_trains_li2sao_on_a_vllm_replica_and_learns(ray_cl
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
-    from async_rl.rollout.client import ReplicaPool, ReplicaSettings
+    from async_rl.rollout.pool import ReplicaPool
+    from async_rl.rollout.settings import ReplicaSettings
 
     torch.set_num_threads(1)
     # actor lr 3e-4: inside the stability map's safe region (docs/algorithms.md, Stability); at 1e-3 the

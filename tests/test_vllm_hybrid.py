@@ -189,7 +189,7 @@ def test_a_request_vllm_refuses_fails_alone_as_an_engine_fault(fresh, monkeypatc
 
 
 def test_hybrid_settings_accept_vllm_and_refuse_what_it_cannot_do():
-    from async_rl.rollout.client import ReplicaSettings
+    from async_rl.rollout.settings import ReplicaSettings
 
     assert ReplicaSettings.from_config({"mode": "hybrid", "engine": "vllm"}).engine == "vllm"
     with pytest.raises(ValueError, match="vllm_kv_on_update=stale needs rollout.mode=standalone"):
@@ -204,13 +204,14 @@ def test_a_hybrid_vllm_replica_samples_under_the_weights_its_versions_name(ray_c
     import time
 
     from async_rl.models.loading import load_causal_lm
-    from async_rl.rollout.client import ReplicaPool, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool
     from async_rl.workers.placement import make_worker_groups
 
     import ray
 
     groups = make_worker_groups("colocated", 1, None, vllm_model, with_critic=False, rollout_kwargs={
-        "share_actor_weights": False, "engine": "vllm",
+        "engine": "vllm",
         "engine_options": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024}})
     prompt, response = [5, 6, 7, 8], 1000  # read one engine iteration per call: seconds to read, a pause lands early
     try:
@@ -262,7 +263,7 @@ def test_the_concurrent_driver_trains_grpo_with_vllm_inside_the_train_rank_and_l
     from async_rl.driver.driver import DriverConfig
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.envs.toy import make_toy_tasks
-    from async_rl.rollout.client import ReplicaSettings
+    from async_rl.rollout.settings import ReplicaSettings
 
     torch.set_num_threads(1)
     algo = AlgorithmConfig(name="grpo", train_batch_trajectories=16, group_size=4, actor_lr=1e-3)

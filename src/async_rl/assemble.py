@@ -24,7 +24,7 @@ from async_rl.engine.settings import TrainingSettings
 from async_rl.envs.base import make_env
 from async_rl.models.loading import load_causal_lm, load_tokenizer
 from async_rl.rollout.base import SamplingParams
-from async_rl.rollout.client import ReplicaSettings
+from async_rl.rollout.settings import ReplicaSettings
 from async_rl.rollout.hf_engine import HFRolloutEngine
 from async_rl.rollout.weight_sync import choose_weight_sync, weights_to_publish
 from async_rl.validation import ConfigError
@@ -100,7 +100,7 @@ def build_learner_and_rollout(algo: AlgorithmConfig, spec: RunSpec) -> tuple[Lea
                             OptimizerConfig(lr=algo.critic_lr, max_grad_norm=spec.max_grad_norm, weight_decay=0.0),
                             freeze_attention=algo.freeze_critic_attention, **spec.training.role_kwargs())
     if spec.workers == "ray":
-        # rollout replicas in their own processes, streamed to by the driver (async_rl.rollout.client)
+        # rollout replicas in their own processes, streamed to by the driver (async_rl.rollout.pool)
         engine = _rollout_replicas(spec, actor)
     else:
         # the rollout engine gets its own copy of the weights (a disaggregated placement in one process)
@@ -155,10 +155,9 @@ def _ray_trainers(algo: AlgorithmConfig, spec: RunSpec, actor_optim: OptimizerCo
     groups = make_worker_groups(
         "colocated" if hybrid else "disaggregated", spec.train_workers, None if hybrid else 0, spec.model_path,
         actor_kwargs=actor_kwargs,
-        # hybrid replicas keep their own weight copy (RolloutWorker.hybrid_info says why); a vLLM one is built with
-        # the run's vLLM settings
+        # a vLLM hybrid replica is built with the run's vLLM settings
         rollout_kwargs={"torch_threads": torch.get_num_threads() if spec.device == "cpu" else None,
-                        "share_actor_weights": False, "engine": spec.rollout.engine,
+                        "engine": spec.rollout.engine,
                         "engine_options": spec.rollout.vllm_engine_options() if spec.rollout.engine == "vllm" else None},
         critic_kwargs={"optim": critic_optim, "freeze_attention": algo.freeze_critic_attention,
                        "training": spec.training},
@@ -195,7 +194,8 @@ def _rollout_replicas(spec: RunSpec, actor):
 
     from transformers import AutoConfig
 
-    from async_rl.rollout.client import ReplicaPool, attach_checkpoint_manager, launch_replicas
+    from async_rl.rollout.launch import launch_replicas
+    from async_rl.rollout.pool import ReplicaPool, attach_checkpoint_manager
 
     model_config = AutoConfig.from_pretrained(spec.model_path)
     settings = spec.rollout

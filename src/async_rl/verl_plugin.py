@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-
 from verl.trainer.ppo import core_algos
 
 from async_rl.algos.dis import dis_policy_loss
@@ -26,49 +24,10 @@ from async_rl.algos.gae import sao_gae_estimator
 from async_rl.algos.grpo import grpo_group_estimator
 from async_rl.algos.li2sao import li2sao_group_estimator
 from async_rl.algos.policy import LOSS_AGG_MODES, clipped_policy_loss
-from async_rl.algos.sapo import (
-    broadcast_turns_to_tokens,
-    normalise_turn_advantages,
-    ppo_clip_token_loss,
-    sapo_targets,
-)
+from async_rl.algos.sapo import ppo_clip_token_loss, sapo_turn_estimator
 
 ADV_ESTIMATOR_NAMES = ("grpo_group", "sao_gae", "li2sao_group", "sapo_turn")
 POLICY_LOSS_NAMES = ("ppo_clip", "dis", "dis_clip", "sapo_ar")
-
-
-# ----------------------------------------------------------------------------------------------------
-# advantage estimators
-# ----------------------------------------------------------------------------------------------------
-def compute_sapo_turn_advantage_return(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    turn_rewards: Optional[torch.Tensor] = None,
-    old_turn_values: Optional[torch.Tensor] = None,
-    old_turn_q_values: Optional[torch.Tensor] = None,
-    turn_dones: Optional[torch.Tensor] = None,
-    turn_mask: Optional[torch.Tensor] = None,
-    token_turn_index: Optional[torch.Tensor] = None,
-    invalid_action: Optional[torch.Tensor] = None,
-    config: Any = None,
-    **unused: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl wrapper of SAPO's turn targets (spec §5): returns token advantages ``(bs, T)`` and the
-    per-turn ``y^V`` targets ``(bs, K)`` in place of returns. Needs the turn tensors as keyword arguments."""
-    needed = dict(turn_rewards=turn_rewards, old_turn_values=old_turn_values,
-                  old_turn_q_values=old_turn_q_values, turn_dones=turn_dones, turn_mask=turn_mask,
-                  token_turn_index=token_turn_index)
-    missing = [k for k, v in needed.items() if v is None]
-    if missing:
-        raise ValueError(
-            f"sapo_turn needs turn-level tensors {missing}; verl's compute_advantage does not pass them. "
-            "Use async_rl's SAPO worker, or call this function with those keyword arguments."
-        )
-    adv, y_v, _ = sapo_targets(turn_rewards, old_turn_values, old_turn_q_values, turn_dones, turn_mask,
-                               gamma=float(config_value(config, "gamma", 1.0)), lam=float(config_value(config, "lam", 0.95)))
-    norm = normalise_turn_advantages(adv, turn_mask, invalid_action,
-                                     invalid_penalty=float(config_value(config, "sapo_invalid_penalty", 0.0)))
-    return broadcast_turns_to_tokens(norm, token_turn_index) * response_mask, y_v
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -196,7 +155,7 @@ def register() -> None:
     _add(core_algos.ADV_ESTIMATOR_REGISTRY, "grpo_group", grpo_group_estimator)
     _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sao_gae", sao_gae_estimator)
     _add(core_algos.ADV_ESTIMATOR_REGISTRY, "li2sao_group", li2sao_group_estimator)
-    _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sapo_turn", compute_sapo_turn_advantage_return)
+    _add(core_algos.ADV_ESTIMATOR_REGISTRY, "sapo_turn", sapo_turn_estimator)
     _add(core_algos.POLICY_LOSS_REGISTRY, "ppo_clip", compute_policy_loss_ppo_clip)
     _add(core_algos.POLICY_LOSS_REGISTRY, "dis", compute_policy_loss_dis)
     _add(core_algos.POLICY_LOSS_REGISTRY, "dis_clip", compute_policy_loss_dis_clip)

@@ -46,10 +46,12 @@ from async_rl.algos.sapo import (
     restricted_token_logprobs,
     sapo_targets,
     sapo_total_loss,
+    sapo_turn_estimator,
     turn_boundaries,
     turn_gae,
     turn_value_loss,
     two_logit_value,
+    sapo_update_targets,
 )
 
 __all__ = [name for name in dir() if not name.startswith("_")]

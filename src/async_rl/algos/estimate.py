@@ -24,6 +24,8 @@ class AdvantageEstimate(tuple):
         critic_mask: ``(bs, T)`` tokens the critic loss covers (None: no critic update).
         value_clip: ε_v of a clipped value loss around V_old; None = plain squared error.
         ranking: Li2SAO's ranking-loss inputs (Eq. 11), or None.
+        turn_targets: SAPO's turn-level side (spec §5): ``(bs, K)`` tensors ``turn_mask``, ``advantages`` (A),
+            ``norm_advantages`` (Â), ``y_v``, ``y_q``; None for token-level estimators.
         metrics: scalars to log for this batch.
     """
 
@@ -31,17 +33,20 @@ class AdvantageEstimate(tuple):
     critic_mask: Optional[torch.Tensor]
     value_clip: Optional[float]
     ranking: Optional[dict]
+    turn_targets: Optional[dict]
     metrics: dict[str, float]
 
     def __new__(cls, advantages: torch.Tensor, returns: torch.Tensor, *,
                 critic_targets: Optional[torch.Tensor] = None, critic_mask: Optional[torch.Tensor] = None,
                 value_clip: Optional[float] = None, ranking: Optional[dict] = None,
-                metrics: Optional[dict[str, float]] = None) -> "AdvantageEstimate":
+                turn_targets: Optional[dict] = None, metrics: Optional[dict[str, float]] = None
+                ) -> "AdvantageEstimate":
         out = super().__new__(cls, (advantages, returns))
         out.critic_targets = critic_targets
         out.critic_mask = critic_mask
         out.value_clip = value_clip
         out.ranking = ranking
+        out.turn_targets = turn_targets
         out.metrics = dict(metrics or {})
         return out
 

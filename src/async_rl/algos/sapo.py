@@ -6,11 +6,12 @@ A *turn* is one model action (a span of model tokens) followed by an environment
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from async_rl.algos._util import masked_mean
+from async_rl.algos.estimate import AdvantageEstimate, config_value
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -262,3 +263,79 @@ def sapo_total_loss(
 def num_turns_of(token_turn_index: torch.Tensor) -> int:
     """``K`` = largest turn index on a model token + 1 (at least 1)."""
     return max(int(token_turn_index.max()) + 1, 1) if token_turn_index.numel() else 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# the registered estimator ("sapo_turn") and the frozen targets of one update
+# ----------------------------------------------------------------------------------------------------
+def sapo_turn_estimator(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    turn_rewards: Optional[torch.Tensor] = None,
+    old_turn_values: Optional[torch.Tensor] = None,
+    old_turn_q_values: Optional[torch.Tensor] = None,
+    turn_dones: Optional[torch.Tensor] = None,
+    turn_mask: Optional[torch.Tensor] = None,
+    token_turn_index: Optional[torch.Tensor] = None,
+    invalid_action: Optional[torch.Tensor] = None,
+    config: Any = None,
+    **unused: Any,
+) -> AdvantageEstimate:
+    """SAPO's turn advantage and V/Q targets (spec §5), registered in verl as ``sapo_turn``.
+
+    Turn GAE ``A`` on the frozen ``V_old``, ``y^V = V_old + A``, SARSA ``y^Q = r + γ(1-d) Q_old(t+1)``; then
+    ``Â = (A - c_inv · invalid - μ_B) / (σ_B + ε)`` over the valid turns of the whole batch, broadcast to the model
+    tokens of each turn.
+
+    Args:
+        token_level_rewards: ``(bs, T)``, unused (the turn rewards carry them); verl passes it.
+        response_mask: ``(bs, T)`` 1 on model tokens.
+        turn_rewards, turn_dones, turn_mask: ``(bs, K)``; ``turn_mask`` 1 on turns that exist and have a V/Q
+            boundary (the batch's turn mask times the readouts', ``SapoRole.readouts``).
+        old_turn_values, old_turn_q_values: ``(bs, K)`` V_old and Q_old read from the backbone before the update.
+        token_turn_index: ``(bs, T)`` turn of each response token (-1 off model tokens).
+        invalid_action: optional ``(bs, K)`` 0/1 invalid-action flags (``turn_invalid`` is accepted too).
+        config: ``gamma`` (1.0), ``sapo_lambda`` or ``lam`` (0.95), ``sapo_invalid_penalty`` (c_inv; 0.0 when the
+            config has none: ``algorithm.sapo_invalid_penalty``'s default, 0.1, comes with our AlgorithmConfig).
+
+    Returns:
+        :class:`AdvantageEstimate` ``(token advantages (bs, T), y^V (bs, K))`` with ``turn_targets``
+        ``{turn_mask, advantages, norm_advantages, y_v, y_q}``. Stock verl's ``compute_advantage`` passes none of
+        the turn tensors: call the registered function with them, as async_rl's driver does.
+    """
+    if invalid_action is None:
+        invalid_action = unused.get("turn_invalid")
+    needed = dict(turn_rewards=turn_rewards, old_turn_values=old_turn_values, old_turn_q_values=old_turn_q_values,
+                  turn_dones=turn_dones, turn_mask=turn_mask, token_turn_index=token_turn_index)
+    missing = [k for k, v in needed.items() if v is None]
+    if missing:
+        raise ValueError(
+            f"sapo_turn needs turn-level tensors {missing}; verl's compute_advantage does not pass them. "
+            "Call the registered function with them (async_rl.driver.learner.shared_backbone_targets does)."
+        )
+    gamma = float(config_value(config, "gamma", 1.0))
+    lam = float(config_value(config, "sapo_lambda", 0.95, alias="lam"))
+    invalid_penalty = float(config_value(config, "sapo_invalid_penalty", 0.0)) if invalid_action is not None else 0.0
+    turn_mask = turn_mask.to(torch.float32)
+    adv, y_v, y_q = sapo_targets(turn_rewards.to(torch.float32), old_turn_values, old_turn_q_values,
+                                 turn_dones.to(torch.float32), turn_mask, gamma, lam)
+    norm = normalise_turn_advantages(adv, turn_mask, invalid_action, invalid_penalty)
+    token_advantages = broadcast_turns_to_tokens(norm, token_turn_index.long()) * response_mask.to(torch.float32)
+    return AdvantageEstimate(token_advantages, y_v, turn_targets={
+        "turn_mask": turn_mask, "advantages": adv, "norm_advantages": norm, "y_v": y_v, "y_q": y_q})
+
+
+def sapo_update_targets(readouts: Mapping[str, torch.Tensor], estimate: AdvantageEstimate) -> dict[str, torch.Tensor]:
+    """The frozen targets of one SAPO update (spec §5): the estimate's turn targets, the old readouts on its
+    valid turns (``v_old``, ``q_old``, ``p_v_old``, ``p_q_old``, for the clipped V/Q losses), the token
+    advantages, and the old and reference log-probs the readouts carry. All ``(bs, K)`` or ``(bs, T)``."""
+    turns = estimate.turn_targets
+    if turns is None:
+        raise ValueError("sapo_update_targets needs a sapo_turn estimate (its turn_targets)")
+    valid = turns["turn_mask"]
+    targets = {**turns, "v_old": readouts["values"] * valid, "q_old": readouts["q_values"] * valid,
+               "p_v_old": readouts["p_v"] * valid, "p_q_old": readouts["p_q"] * valid,
+               "token_advantages": estimate.advantages, "old_log_probs": readouts["log_probs"]}
+    if "ref_log_probs" in readouts:
+        targets["ref_log_probs"] = readouts["ref_log_probs"]
+    return targets

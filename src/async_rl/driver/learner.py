@@ -17,12 +17,48 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 import async_rl.verl_plugin  # noqa: F401  (our estimators and losses are in verl's registries before any lookup)
 from async_rl.algos import ReadinessGate
 from async_rl.algos.estimate import AdvantageEstimate
+from async_rl.algos.sapo import sapo_update_targets
 from async_rl.config import plan_for
 from async_rl.config import AlgorithmConfig
 from async_rl.driver.batch import batch_metrics, collate, mark_current_version, turn_tensors
 from async_rl.driver.kl_guard import KLGuard
 from async_rl.driver.trajectory import Trajectory
 from async_rl.driver.roles import PolicyRole, SharedBackboneRole, ValueRole
+
+
+def estimate_advantages(estimator: str, batch: dict, group_ids: list, cfg,
+                        **extra) -> AdvantageEstimate:
+    """The registered estimator ``estimator`` (verl's ``get_adv_estimator_fn``) on one collated batch: verl's
+    keyword arguments, the batch fields our estimators read, and ``extra`` (the critic's ``values``, SAPO's turn
+    tensors and readouts)."""
+    estimate = get_adv_estimator_fn(estimator)(
+        token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"], index=group_ids,
+        config=cfg, scores=batch.get("scores"), responses=batch.get("responses"),
+        response_attention=batch.get("response_attention"), **extra)
+    if not isinstance(estimate, AdvantageEstimate):
+        raise TypeError(f"estimator {estimator!r} returned {type(estimate).__name__}; the trainer needs an "
+                        "async_rl.algos.estimate.AdvantageEstimate (critic targets, mask, metrics)")
+    return estimate
+
+
+def shared_backbone_targets(actor: SharedBackboneRole, batch: dict, turns: dict, cfg,
+                            estimator: str = "sapo_turn", group_ids: Optional[list] = None
+                            ) -> tuple[AdvantageEstimate, dict]:
+    """SAPO's side of a step (spec §5): the backbone's frozen readouts (its V and Q, as a critic's ``values``), the
+    registered ``estimator`` on them and the batch's turn tensors (``driver.batch.turn_tensors``), and the frozen
+    targets of the update. ``cfg``: the algorithm's settings (``gamma``, ``sapo_lambda``, ``sapo_invalid_penalty``;
+    an AlgorithmConfig or a dict). Returns ``(estimate, targets)``."""
+    rows = int(batch["response_mask"].shape[0])
+    if turns["turn_mask"].shape[0] != rows:
+        raise ValueError(f"turn tensors have {turns['turn_mask'].shape[0]} rows, the batch {rows}: build them from "
+                         f"the same trajectories (driver.batch.turn_tensors)")
+    readouts = actor.readouts(batch, int(turns["turn_mask"].shape[1]))
+    estimate = estimate_advantages(
+        estimator, batch, list(group_ids or []), cfg, turn_rewards=turns["turn_rewards"],
+        turn_dones=turns["turn_dones"], turn_mask=turns["turn_mask"].float() * readouts["turn_mask"],
+        invalid_action=turns.get("turn_invalid"), old_turn_values=readouts["values"],
+        old_turn_q_values=readouts["q_values"], token_turn_index=batch["token_turn_index"])
+    return estimate, sapo_update_targets(readouts, estimate)
 
 
 @dataclass
@@ -68,18 +104,12 @@ class Learner:
         # than one response (aborts can leave every group a single survivor, whose group advantage is 0)
         grouped = group_sizes.pop() > 1 and max(Counter(group_ids).values()) > 1
         metrics = batch_metrics(trajectories, batch, self.policy_version)
-        if self.plan.shared_backbone:
-            return self._sapo_step(trajectories, batch, metrics)
+        if self.plan.shared_backbone:  # SAPO (spec §5): V and Q are read from the policy's own backbone
+            return self._shared_backbone_step(trajectories, batch, group_ids, metrics)
 
         old_values = self.critic.values(batch) if self.critic is not None else None
         estimator = self.plan.grouped_estimator if grouped else self.plan.single_estimator
-        estimate = get_adv_estimator_fn(estimator)(
-            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-            index=group_ids, values=old_values, config=cfg, scores=batch["scores"], responses=batch["responses"],
-            response_attention=batch["response_attention"])
-        if not isinstance(estimate, AdvantageEstimate):
-            raise TypeError(f"estimator {estimator!r} returned {type(estimate).__name__}; the trainer needs an "
-                            "async_rl.algos.estimate.AdvantageEstimate (critic targets, mask, metrics)")
+        estimate = estimate_advantages(estimator, batch, group_ids, cfg, values=old_values)
         metrics.update(estimate.metrics)
 
         # ---------------- critic: K passes with V_old frozen once per batch ----------------------------
@@ -116,12 +146,14 @@ class Learner:
         metrics["trainer/policy_version"] = float(self.policy_version)
         return StepResult(metrics, actor_updated=not frozen, gate_opened=bool(gate_opened))
 
-    def _sapo_step(self, trajectories: list[Trajectory], batch, metrics: dict) -> StepResult:
-        """SAPO (spec §5): frozen turn targets from the shared backbone, then one joint backward."""
+    def _shared_backbone_step(self, trajectories: list[Trajectory], batch, group_ids: list, metrics: dict
+                              ) -> StepResult:
+        """SAPO (spec §5): the estimator on the backbone's frozen readouts, then one joint backward."""
         cfg = self.cfg
         turns = turn_tensors(trajectories)  # built here: the driver holds the trajectories
-        targets = self.actor.compute_targets(batch, turns, gamma=cfg.gamma, lam=cfg.sapo_lambda,
-                                             invalid_penalty=cfg.sapo_invalid_penalty)
+        estimate, targets = shared_backbone_targets(self.actor, batch, turns, cfg, self.plan.single_estimator,
+                                                    group_ids)
+        metrics.update(estimate.metrics)
         metrics.update(self.actor.update(batch, turns, targets, clip_eps=cfg.clip.clip_ratio_low,
                                          clip_v=cfg.sapo_clip_v, clip_q=cfg.sapo_clip_q, c_v=cfg.sapo_c_v,
                                          c_q=cfg.sapo_c_q, c_h=cfg.sapo_c_h, kl_coef=cfg.sapo_kl_coef))

@@ -64,9 +64,9 @@ class ValueRole(CheckpointedRole, Protocol):
 class SharedBackboneRole(CheckpointedRole, Protocol):
     """SAPO's one model: policy, V and Q readouts, its own joint loss (spec §5)."""
 
-    def compute_targets(self, batch: dict[str, torch.Tensor], turns: Mapping[str, torch.Tensor], gamma: float = ...,
-                        lam: float = ..., invalid_penalty: float = ...) -> dict[str, torch.Tensor]:
-        """Frozen turn targets from one no-grad pass."""
+    def readouts(self, batch: dict[str, torch.Tensor], num_turns: int = ...) -> dict[str, torch.Tensor]:
+        """Frozen V_old, Q_old (and their normalised readouts, the turn mask, old and reference log-probs) from
+        one no-grad pass: the ``sapo_turn`` estimator's inputs."""
 
     def update(self, batch: dict[str, torch.Tensor], turns: Mapping[str, torch.Tensor],
                targets: Mapping[str, torch.Tensor], **coefficients: float) -> dict[str, float]:

@@ -160,7 +160,7 @@ class RolloutService(Protocol):
     """The rollout contract: everything the driver calls on its rollout (``driver/rollout_manager.py`` streams
     episodes through it, ``driver/core.py`` and the schedulers publish weights and checkpoint it). Implemented
     alike by the in-process :class:`~async_rl.rollout.hf_engine.HFRolloutEngine` and by
-    :class:`~async_rl.rollout.client.ReplicaPool` (replica servers, hf or vLLM, on Ray);
+    :class:`~async_rl.rollout.pool.ReplicaPool` (replica servers, hf or vLLM, on Ray);
     ``tests/test_rollout_contract.py`` runs the driver against each through a guard that refuses anything else.
 
     Optional capabilities, read with ``getattr`` and a default: ``takes_version_only`` / ``accepts_published_weights``

@@ -1,6 +1,6 @@
-"""The verl ``RolloutReplica`` classes and the engine lookup: the top of ``rollout/`` (it imports the servers in
-``replica``, ``hybrid`` and ``vllm_engine``; none of them imports this module). Standalone replicas by engine
-(:class:`HFReplica`, :class:`~async_rl.rollout.vllm_engine.VLLMReplica`); :class:`HybridReplica` for
+"""The verl ``RolloutReplica`` classes and the engine lookup (it imports the servers in ``servers/``; none of them
+imports this module; :mod:`async_rl.rollout.launch` starts them). Standalone replicas by engine
+(:class:`HFReplica`, :class:`~async_rl.rollout.servers.vllm.VLLMReplica`); :class:`HybridReplica` for
 ``rollout.mode=hybrid`` whatever engine the train ranks hold."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Any, Optional
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
-from async_rl.rollout.hybrid import HybridServer
-from async_rl.rollout.replica import ENGINE_NAMES, HFRolloutServer, ReplicaBrokenError
-from async_rl.rollout.server_base import OwnProcessReplica
-from async_rl.rollout.vllm_engine import VLLMReplica, require_vllm
+from async_rl.rollout.servers.base import OwnProcessReplica, ReplicaBrokenError
+from async_rl.rollout.servers.hf import HFRolloutServer
+from async_rl.rollout.servers.hybrid import HybridServer
+from async_rl.rollout.servers.vllm import VLLMReplica
+from async_rl.rollout.settings import ENGINE_NAMES, require_vllm
 
 
 class HFReplica(OwnProcessReplica):
@@ -53,7 +54,7 @@ class HFReplica(OwnProcessReplica):
 
 class HybridReplica(RolloutReplica):
     """verl ``RolloutReplica`` for ``rollout.mode=hybrid``, any engine: the engine (hf or vLLM) is the RolloutWorker
-    fused into train rank ``replica_rank``'s process, and one :class:`~async_rl.rollout.hybrid.HybridServer` serves
+    fused into train rank ``replica_rank``'s process, and one :class:`~async_rl.rollout.servers.hybrid.HybridServer` serves
     it. verl's :meth:`init_hybrid` (unchanged) keeps this replica's slice of the fused train workers in
     ``self.workers`` and calls :meth:`launch_servers`."""
 
@@ -69,7 +70,7 @@ class HybridReplica(RolloutReplica):
         raise RuntimeError("a hybrid replica lives in a train rank: start it with init_hybrid(worker_group)")
 
     async def launch_servers(self) -> None:
-        """One :class:`~async_rl.rollout.hybrid.HybridServer` (no CPU reserved, on the train rank's node) in front
+        """One :class:`~async_rl.rollout.servers.hybrid.HybridServer` (no CPU reserved, on the train rank's node) in front
         of the RolloutWorker fused into that rank's process."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -1,7 +1,7 @@
 """``rollout.*`` of the config (conf/rollout/default.yaml) as :class:`ReplicaSettings`, with its valid choices.
 
 No torch, Ray or verl here: ``python -m async_rl.train`` validates these settings before it imports any of them
-(``async_rl.rollout.client`` re-exports the names).
+(``async_rl.rollout.launch`` and ``async_rl.rollout.pool`` read them from here).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ReplicaSettings:
     replica_resources: Optional[list] = None
 
     def vllm_engine_options(self) -> dict[str, Any]:
-        """The ``engine_kwargs`` keywords of :mod:`async_rl.rollout.vllm_engine` from these settings."""
+        """The ``engine_kwargs`` keywords of :mod:`async_rl.rollout.vllm_setup` from these settings."""
         return {"kv_cache_memory_bytes": int(self.vllm_kv_cache_memory_bytes),
                 "gpu_memory_utilization": float(self.vllm_gpu_memory_utilization),
                 "max_model_len": self.vllm_max_model_len, "max_num_seqs": int(self.vllm_max_num_seqs)}

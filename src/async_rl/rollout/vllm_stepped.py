@@ -8,7 +8,7 @@ drives it exactly as it drives the hf engine: ``rollout.mode=hybrid rollout.engi
 Where it runs. vLLM's engine core and model worker run in a child process of the caller (vLLM's multiprocess
 engine client), on the caller's node and device. The child has its own ``torch.distributed`` world of one, so the
 train rank's process group is never touched; new weights reach it through this node's shared memory
-(:func:`~async_rl.rollout.vllm_engine.write_weights_file`), never through Ray or another node.
+(:func:`~async_rl.rollout.vllm_setup.write_weights_file`), never through Ray or another node.
 
 Semantics, as the hf engine's and the standalone vLLM server's ("recompute" mode):
 
@@ -28,17 +28,16 @@ Drive it from one thread, between calls (no call runs concurrently with another)
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest, SamplingParams
-from async_rl.rollout.replica import ENGINE_ERROR
-from async_rl.rollout.vllm_engine import (_Request, cache_salt, check_kv_cache_fits, check_model_for_vllm,
-                                          engine_kwargs, finish_from_vllm, finished_output, require_vllm,
-                                          startup_error_line, vllm_sampling_params, write_weights_file)
+from async_rl.rollout.vllm_setup import (RequestState, cache_salt, check_kv_cache_fits, check_model_for_vllm,
+                                         engine_kwargs, finish_from_vllm, finished_output, require_vllm,
+                                         startup_error_line, vllm_sampling_params, write_weights_file)
+from async_rl.rollout.wire import ENGINE_ERROR
 
 
 class VLLMSteppedEngine:
@@ -48,7 +47,7 @@ class VLLMSteppedEngine:
         model_path: local Hugging Face checkpoint directory (the weights of ``initial_version``).
         device: "cpu" or "cuda" (vLLM picks its platform from the installed build).
         initial_version: policy version of the weights in ``model_path``.
-        engine_options: extra :func:`~async_rl.rollout.vllm_engine.engine_kwargs` keywords (dtype, max_model_len,
+        engine_options: extra :func:`~async_rl.rollout.vllm_setup.engine_kwargs` keywords (dtype, max_model_len,
             kv_cache_memory_bytes, gpu_memory_utilization, max_num_seqs, seed).
     """
 
@@ -80,7 +79,7 @@ class VLLMSteppedEngine:
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self.device = torch.device(device)
         self._version = int(initial_version)
-        self._requests: dict[Hashable, _Request] = {}  # every unfinished request, in arrival order
+        self._requests: dict[Hashable, RequestState] = {}  # every unfinished request, in arrival order
         self._pending: list[Hashable] = []  # unfinished and not in vLLM: new, or kept across an update / release
         self._in_vllm: dict[str, Hashable] = {}  # vLLM's external id of a running submission -> our request id
         self._read: dict[str, int] = {}  # tokens of that submission already recorded
@@ -129,7 +128,7 @@ class VLLMSteppedEngine:
         requests = list(requests)
         self._validate(requests)
         for request in requests:
-            self._requests[request.request_id] = _Request(request)
+            self._requests[request.request_id] = RequestState(request)
             self._submissions[request.request_id] = 0
             self._pending.append(request.request_id)
 

@@ -1,9 +1,10 @@
 """Worker groups on Ray, in two placements: :func:`make_worker_groups` returns :class:`WorkerGroups`.
 
 ``colocated``: one process per train rank holds the actor, the critic and a rollout engine (verl's fused
-worker, the "hybrid engine" layout); the engine reads the actor's weights in memory, and generation and
-training take turns. ``disaggregated``: the actor and critic share the train processes, rollout engines
-run in their own processes and pull each new version from the Ray object store. Every role's group is a
+worker, the "hybrid engine" layout, ``rollout.mode=hybrid``); the engine copies the actor's weights in memory,
+and generation and training take turns. ``disaggregated``: the actor and critic share the train processes;
+rollout runs elsewhere (the replicas of ``async_rl.rollout.launch.launch_replicas``, or the driver's own engine),
+and new weights reach it through the Ray object store. Every role's group is a
 :class:`~async_rl.workers.calls.TimedRayWorkerGroup` (every call has a deadline). The resource pool is
 checked against ``ray.available_resources()`` first, because verl waits for a placement group without a
 timeout.
@@ -83,11 +84,11 @@ class WorkerGroups:
     placement: str
     actor: TimedRayWorkerGroup
     critic: Optional[TimedRayWorkerGroup]
-    rollout: Optional[TimedRayWorkerGroup]  # None: rollout runs in the driver process
+    rollout: Optional[TimedRayWorkerGroup]  # colocated: the fused RolloutWorkers; disaggregated: None
     resource_pools: list[RayResourcePool]
     process_groups: list[TimedRayWorkerGroup]  # the groups that own the Ray actors
     init_info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # the rollout replicas streamed to by the driver (async_rl.rollout.client.ReplicaPool), stopped with the groups
+    # the rollout replicas streamed to by the driver (async_rl.rollout.pool.ReplicaPool), stopped with the groups
     rollout_pool: Optional[Any] = None
 
     def remote_actor(self, timeout_s: Optional[float] = None) -> RemoteActor:
@@ -104,25 +105,6 @@ class WorkerGroups:
 
     def remote_critic(self, timeout_s: Optional[float] = None) -> Optional[RemoteCritic]:
         return None if self.critic is None else RemoteCritic(self.critic, timeout_s)
-
-    def sync_weights(self, version: int, timeout_s: Optional[float] = None) -> list[int]:
-        """Give the rollout workers the actor's current weights as policy ``version``.
-
-        colocated: in memory in each process (``RolloutWorker.sync_from_actor``). disaggregated:
-        actor rank 0 ``ray.put`` s the full state dict, the driver passes the ObjectRef (a few bytes)
-        to every rollout worker, each fetches the weights from the object store. Returns the rollout
-        workers' versions.
-        """
-        kw = {} if timeout_s is None else {"timeout_s": timeout_s}
-        if self.placement == "colocated":
-            return self.rollout.sync_from_actor(version, **kw)
-        published = self.actor.publish_weights(version, **kw)[0]
-        return self.rollout.update_weights(published, version, **kw)
-
-    def generate(self, requests, timeout_s: Optional[float] = None):
-        """Requests (list of dicts or a DataProto) split over the rollout workers; outputs in order."""
-        kw = {} if timeout_s is None else {"timeout_s": timeout_s}
-        return self.rollout.generate(requests, **kw)
 
     def shutdown(self) -> None:
         """Kill the worker processes (and the rollout replicas) and release their placement groups (idempotent)."""
@@ -183,13 +165,13 @@ def make_worker_groups(
     Args:
         placement: ``"colocated"`` or ``"disaggregated"``.
         n_train_workers: data-parallel ranks of the actor (and critic).
-        n_rollout_workers: rollout processes (disaggregated); colocated: ``None`` or ``n_train_workers``.
-            ``0`` (disaggregated): train workers only -- the driver runs its own rollout engine in
-            process (the concurrent scheduler's in-flight engine) and publishes weights to it.
+        n_rollout_workers: colocated: ``None`` or ``n_train_workers`` (one fused RolloutWorker per rank);
+            disaggregated: ``0`` (train workers only: rollout processes of their own are replicas,
+            ``async_rl.rollout.launch.launch_replicas``).
         model_path: local HF checkpoint for every role.
         actor_kwargs / critic_kwargs / rollout_kwargs: extra constructor arguments of
             :class:`ActorWorker` (``optim``, ``temperature``, ``micro_batch_size``, ...),
-            :class:`CriticWorker`, :class:`RolloutWorker`.
+            :class:`CriticWorker`, :class:`RolloutWorker` (colocated).
         with_critic: build the critic (GRPO-style algorithms do not need one).
         actor_worker: ``"actor"`` (:class:`ActorWorker`) or ``"sapo"`` (:class:`SapoWorker`: SAPO's one
             backbone for policy, V and Q; ``actor_kwargs`` then also take ``reserved``, ``tau_v``, ``r_max``,
@@ -211,14 +193,15 @@ def make_worker_groups(
             raise ValueError("colocated: every train process holds one rollout engine, so n_rollout_workers "
                              f"must be None or {n_train_workers}, got {n_rollout_workers}")
         n_rollout_workers = n_train_workers
-    elif n_rollout_workers is None or n_rollout_workers < 0:
-        raise ValueError("disaggregated: n_rollout_workers must be >= 0 (0 = rollout in the driver process)")
+    elif n_rollout_workers != 0:
+        raise ValueError(f"disaggregated: n_rollout_workers must be 0, got {n_rollout_workers}: the train groups hold "
+                         f"no rollout engine; start rollout processes as replicas (rollout.replicas, "
+                         f"async_rl.rollout.launch.launch_replicas)")
     if cpus_per_worker is not None and cpus_per_worker > 1:
         raise ValueError("cpus_per_worker must be <= 1 (the bundle holds one CPU per process)")
     use_gpu = torch.cuda.is_available() if use_gpu is None else bool(use_gpu)
     device_name = "cuda" if use_gpu else "cpu"
-    n_processes = n_train_workers if placement == "colocated" else n_train_workers + n_rollout_workers
-    _check_resources(n_processes, use_gpu, cpus_per_bundle=1.0)
+    _check_resources(n_train_workers, use_gpu, cpus_per_bundle=1.0)
 
     model_path = str(model_path)
     roles: dict[str, RayClassWithInitArgs] = {
@@ -246,11 +229,6 @@ def make_worker_groups(
             process_groups.append(train)
             by_role = train.spawn(prefix_set=list(roles))
             rollout = None
-            if n_rollout_workers:
-                pools.append(_pool(n_rollout_workers, use_gpu, f"{run}_rollout_"))
-                rollout_group = _group(pools[1], {"rollout": rollout_cia}, name=f"{run}_", **common)
-                process_groups.append(rollout_group)
-                rollout = rollout_group.spawn(prefix_set=["rollout"])["rollout"]
         groups = WorkerGroups(placement=placement, actor=by_role["actor"], critic=by_role.get("critic"),
                               rollout=rollout, resource_pools=pools, process_groups=process_groups)
         # order matters when colocated: the rollout engine attaches to the initialised actor

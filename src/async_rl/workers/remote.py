@@ -13,6 +13,7 @@ from verl.protocol import DataProto
 
 from async_rl.algos.dis import DIS_HIGH, DIS_LOW
 from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW
+from async_rl.algos.sapo import num_turns_of
 from async_rl.workers.proto import (SAPO_TURN_KEYS, batch_to_proto, metrics_from_proto, pad_proto_for_dp,
                                     proto_to_batch, unpad)
 
@@ -104,14 +105,14 @@ class RemoteCritic(RemoteRole):
         return metrics_from_proto(self.wg.update_critic(padded, **self._kw(timeout_s)))
 
 
-# rows added by pad_proto_for_dp to a SAPO batch: no model token, no valid turn, hence no loss weight and no share
-# of the global turn-advantage statistics (the frozen targets of such a row are zero too)
+# rows added by pad_proto_for_dp to a SAPO batch: no model token, no valid turn, hence no loss weight (the frozen
+# targets of such a row are zero too); the driver computed the turn advantages on the unpadded batch
 SAPO_ZERO_WEIGHT_KEYS = ("response_mask", "turn_mask", "target_turn_mask", "target_token_advantages")
 
 
 class RemoteSapo(RemoteRole):
     """The :class:`~async_rl.workers.sapo.SapoRole` calls the learner makes (spec §5), served by a
-    :class:`SapoWorker` group: ``compute_targets``, ``update``, the weight export and
+    :class:`SapoWorker` group: ``readouts``, ``update``, the weight export and
     checkpoints, and ``banned_token_ids`` for the rollout's sampling.
 
     Batches are collated dicts; the turn tensors and the frozen targets travel in the same DataProto as
@@ -141,13 +142,16 @@ class RemoteSapo(RemoteRole):
             data.update({f"target_{key}": value for key, value in targets.items() if torch.is_tensor(value)})
         return pad_proto_for_dp(batch_to_proto(data, meta_info), self.wg.world_size, zero_keys=SAPO_ZERO_WEIGHT_KEYS)
 
-    def compute_targets(self, batch, turns: Mapping[str, torch.Tensor], gamma: float = 1.0, lam: float = 0.95,
-                        invalid_penalty: float = 0.1, timeout_s: Optional[float] = None) -> dict[str, torch.Tensor]:
-        """Frozen turn targets of the whole batch (rows in batch order), as ``SapoRole.compute_targets``."""
-        proto, added = self._padded_proto(batch, turns, meta_info={"gamma": float(gamma), "lam": float(lam),
-                                                                    "invalid_penalty": float(invalid_penalty)})
-        out = unpad(self.wg.compute_sapo_targets(proto, **self._kw(timeout_s)), added)
-        return {key[len("target_"):]: out.batch[key] for key in out.batch.keys()}
+    def readouts(self, batch, num_turns: Optional[int] = None, timeout_s: Optional[float] = None
+                 ) -> dict[str, torch.Tensor]:
+        """The frozen old readouts of the whole batch (rows in batch order), as ``SapoRole.readouts``."""
+        data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
+        # K of the whole batch: a rank's shard may hold fewer turns, and the shards are joined again
+        meta = {"num_turns": int(num_turns if num_turns is not None else num_turns_of(data["token_turn_index"]))}
+        proto, added = pad_proto_for_dp(batch_to_proto(data, meta), self.wg.world_size,
+                                        zero_keys=SAPO_ZERO_WEIGHT_KEYS)
+        out = unpad(self.wg.compute_sapo_readouts(proto, **self._kw(timeout_s)), added)
+        return {key[len("readout_"):]: out.batch[key] for key in out.batch.keys()}
 
     def update(self, batch, turns: Optional[Mapping[str, torch.Tensor]], targets: Mapping[str, torch.Tensor],
                clip_eps: float = 0.2, clip_v: float = 0.2, clip_q: float = 0.2, c_v: float = 0.5, c_q: float = 0.5,

@@ -21,16 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from async_rl.algos.sapo import (
-    broadcast_turns_to_tokens,
-    normalise_turn_advantages,
-    normalised_readout,
-    num_turns_of,
-    ppo_clip_token_loss,
-    sapo_targets,
-    turn_boundaries,
-    turn_value_loss,
-)
+from async_rl.algos.sapo import normalised_readout, num_turns_of, ppo_clip_token_loss, turn_boundaries, turn_value_loss
 from async_rl.engine import dist
 from async_rl.engine.base import GlobalDenominator, OptimizerConfig
 from async_rl.engine.fsdp import FSDPEngine
@@ -58,8 +49,6 @@ AUTO_RESERVED = "auto"
 SAPO_DEFAULTS: dict[str, float] = {
     "tau_v": 5.0,
     "r_max": 1.0,
-    "gamma": 1.0,
-    "lam": 0.95,
     "clip_eps": 0.2,
     "clip_v": 0.2,
     "clip_q": 0.2,
@@ -67,7 +56,6 @@ SAPO_DEFAULTS: dict[str, float] = {
     "c_q": 0.5,
     "c_h": 0.0,
     "kl_coef": 0.01,
-    "invalid_penalty": 0.1,
 }
 
 # Bound on ``ref - lp`` before the exponential of the k3 estimator (a token whose log-prob moved by more
@@ -237,31 +225,6 @@ def _accepts_kwarg(module: nn.Module, name: str) -> bool:
         return name in inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _global_normalise(adv: torch.Tensor, turn_mask: torch.Tensor, invalid: Optional[torch.Tensor],
-                      invalid_penalty: float, eps: float = 1e-6) -> torch.Tensor:
-    """:func:`normalise_turn_advantages` with μ_B and σ_B over the valid turns of *all* data-parallel
-    ranks; identical to it on one rank.
-
-    Two all-reduces (count and sum, then the squared deviations from μ_B) rather than one of
-    ``Σa, Σa²``: turn advantages are often tiny next to their mean, and ``E[a²] - μ²`` from float32 sums
-    then loses most of σ_B (on a tiny model this moved Â by 0.4 %)."""
-    if dist.get_world_size() <= 1:
-        return normalise_turn_advantages(adv, turn_mask, invalid, invalid_penalty, eps)
-    valid = turn_mask.to(torch.float32)
-    a = adv.to(torch.float32)
-    if invalid is not None:
-        a = a - invalid_penalty * invalid.to(torch.float32)
-    device = dist.current_device()
-    stats = torch.stack([valid.sum(), (a * valid).sum()]).double().to(device)
-    dist.all_reduce_sum(stats)
-    n = stats[0].clamp_min(1.0)
-    mu = (stats[1] / n).float().cpu()
-    square_dev = ((a - mu) ** 2 * valid).sum().double().to(device)
-    dist.all_reduce_sum(square_dev)
-    sigma = (square_dev / n).sqrt().float().cpu()
-    return (a - mu) / (sigma + eps) * valid
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -508,48 +471,25 @@ class SapoRole(EngineCheckpoints):
             )
 
     @torch.no_grad()
-    def compute_targets(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        turns: Mapping[str, torch.Tensor],
-        gamma: float = SAPO_DEFAULTS["gamma"],
-        lam: float = SAPO_DEFAULTS["lam"],
-        invalid_penalty: float = SAPO_DEFAULTS["invalid_penalty"],
-    ) -> dict[str, torch.Tensor]:
-        """Freeze the old readouts and build the turn targets once per batch (spec §5).
+    def readouts(self, batch: Mapping[str, torch.Tensor], num_turns: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """The frozen old readouts of one batch (spec §5), read once with the current weights under ``no_grad``:
+        SAPO's counterpart of a critic's ``values``. The turn advantage and the targets are computed from them by
+        the registered ``sapo_turn`` estimator (``async_rl.driver.learner.shared_backbone_targets``).
 
-        Reads ``V_old``, ``Q_old`` (and ``p_old``) with the current weights under ``no_grad``, then turn
-        GAE ``A``, ``y^V = V_old + A``, SARSA ``y^Q = r + γ(1-d) Q_old(t+1)``, ``Â`` normalised over the
-        valid turns of the batch (after ``- c_inv · invalid``) and broadcast to the model tokens.
-
-        Returns (CPU): ``turn_mask``, ``advantages`` (A), ``norm_advantages`` (Â), ``y_v``, ``y_q``,
-        ``v_old``, ``q_old``, ``p_v_old``, ``p_q_old`` — all ``(bs, K)`` — ``token_advantages`` and
-        ``old_log_probs`` ``(bs, T)``, and ``ref_log_probs`` ``(bs, T)`` when there is a reference model.
+        Returns (CPU): ``values`` (V_old), ``q_values`` (Q_old), ``p_v``, ``p_q`` (their normalised readouts),
+        ``turn_mask`` (1 on turns with model tokens) — all ``(bs, K)`` — ``log_probs`` ``(bs, T)``, and
+        ``ref_log_probs`` ``(bs, T)`` when there is a reference model.
         """
         self._check_batch(batch)
-        K = int(turns["turn_mask"].shape[1])
-        bs = batch["responses"].shape[0]
-        if turns["turn_mask"].shape[0] != bs:
-            raise ValueError(f"turn tensors have {turns['turn_mask'].shape[0]} rows, the batch {bs}")
+        K = num_turns or num_turns_of(batch["token_turn_index"])
         if num_turns_of(batch["token_turn_index"]) > K:
             raise ValueError(f"the batch has turn indices up to {num_turns_of(batch['token_turn_index']) - 1} "
                              f"but the turn tensors only K={K} turns")
         old = self.evaluate(batch, K)
-        turn_mask = turns["turn_mask"].float() * old["turn_mask"]
-        adv, y_v, y_q = sapo_targets(turns["turn_rewards"].float(), old["values"], old["q_values"],
-                                     turns["turn_dones"].float(), turn_mask, gamma, lam)
-        invalid = turns.get("turn_invalid")
-        norm = _global_normalise(adv, turn_mask, invalid, invalid_penalty if invalid is not None else 0.0)
-        token_adv = broadcast_turns_to_tokens(norm, batch["token_turn_index"].long()) * batch["response_mask"].float()
-        targets = {
-            "turn_mask": turn_mask, "advantages": adv, "norm_advantages": norm, "y_v": y_v, "y_q": y_q,
-            "v_old": old["values"] * turn_mask, "q_old": old["q_values"] * turn_mask,
-            "p_v_old": old["p_v"] * turn_mask, "p_q_old": old["p_q"] * turn_mask,
-            "token_advantages": token_adv, "old_log_probs": old["log_probs"],
-        }
+        out = {key: old[key] for key in ("values", "q_values", "p_v", "p_q", "turn_mask", "log_probs")}
         if self.ref_model is not None:
-            targets["ref_log_probs"] = self.reference_log_probs(batch)
-        return targets
+            out["ref_log_probs"] = self.reference_log_probs(batch)
+        return out
 
     # -- update ---------------------------------------------------------------------------------
     @staticmethod
@@ -621,8 +561,9 @@ class SapoRole(EngineCheckpoints):
         ``behaviour_log_probs`` (the rollout's, which may mix policy versions), token-mean over model
         tokens. ``L_V``, ``L_Q``: clipped losses in normalised space, mean over valid turns. ``L_KL``: k3
         against ``targets["ref_log_probs"]``, token-mean. ``H``: restricted entropy, token-mean.
-        ``turns`` is accepted for symmetry with :meth:`compute_targets`; the frozen ``targets`` carry
-        everything the loss needs (their ``turn_mask`` already combines both masks).
+        ``targets``: the frozen ones of :func:`async_rl.algos.sapo.sapo_update_targets` (``turn_mask`` combining the
+        batch's and the readouts' masks, ``y_v``, ``y_q``, ``p_v_old``, ``p_q_old``, ``token_advantages``, and
+        ``ref_log_probs`` when there is a reference); ``turns`` only checks their ``(bs, K)``.
 
         Returns: ``sapo/loss`` (joint loss before the step), ``sapo/v_loss``, ``sapo/q_loss``, ``sapo/kl``,
         ``sapo/entropy``, ``sapo/explained_var`` (V vs y^V over valid turns; 0 when y^V has no variance),

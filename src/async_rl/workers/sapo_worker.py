@@ -51,19 +51,13 @@ class SapoWorker(ActorWorker):
         return batch, turns
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_sapo_targets(self, data: DataProto) -> DataProto:
-        """Frozen turn targets for this shard (advantage normalisation is global over the group)."""
+    def compute_sapo_readouts(self, data: DataProto) -> DataProto:
+        """The frozen old readouts of this shard (``SapoRole.readouts``) as ``readout_<name>`` columns."""
         self._require_model()
-        check_keys(data, MODEL_INPUT_KEYS + ("response_mask", "token_turn_index"), "compute_sapo_targets")
-        missing = [k for k in SAPO_TURN_KEYS if k not in data.batch.keys()]
-        if missing:
-            raise ValueError(f"compute_sapo_targets: missing turn tensors {missing} (build them with "
-                             "async_rl.driver.batch.turn_tensors(trajectories))")
-        meta = data.meta_info
-        batch, turns = self._split(data)
-        targets = self.role.compute_targets(batch, turns, gamma=meta.get("gamma", 1.0), lam=meta.get("lam", 0.95),
-                                            invalid_penalty=meta.get("invalid_penalty", 0.1))
-        return DataProto.from_dict(tensors={f"target_{k}": v for k, v in targets.items()})
+        check_keys(data, MODEL_INPUT_KEYS + ("response_mask", "token_turn_index"), "compute_sapo_readouts")
+        batch, _ = self._split(data)
+        readouts = self.role.readouts(batch, data.meta_info.get("num_turns"))
+        return DataProto.from_dict(tensors={f"readout_{k}": v for k, v in readouts.items()})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_sapo(self, data: DataProto) -> DataProto:

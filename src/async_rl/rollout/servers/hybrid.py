@@ -7,7 +7,7 @@ engine, or vLLM stepped from the rank (:class:`~async_rl.rollout.vllm_stepped.VL
 child process of the rank), with its own weight copy refreshed from the rank's memory at each publication. The
 server, :class:`HybridServer` (one small
 async Ray actor per rank), has the standalone server's methods, so
-:class:`~async_rl.rollout.client.ReplicaPool` and both schedulers drive it unchanged; it pumps the engine one
+:class:`~async_rl.rollout.pool.ReplicaPool` and both schedulers drive it unchanged; it pumps the engine one
 chunk per call. Tokens sampled between an update and its publication keep the old version, as Li2SAO's switch
 needs (spec §4).
 
@@ -22,8 +22,8 @@ import time
 from typing import Any, Optional
 
 from async_rl.rollout.base import GenerationOutput, GenerationRequest
-from async_rl.rollout.replica import VersionedTokenOutput, empty_output, sampling_from_server_dict, versioned_reply
-from async_rl.rollout.server_base import ReplicaBrokenError, ServerBookkeeping
+from async_rl.rollout.servers.base import ReplicaBrokenError, ServerBookkeeping
+from async_rl.rollout.wire import VersionedTokenOutput, empty_output, sampling_from_server_dict, versioned_reply
 
 # the fused worker's name for a RolloutWorker method: verl's "{role}_fwmn_{method}" (fused worker method name)
 ROLLOUT_METHOD_PREFIX = "rollout_fwmn_"

@@ -1,5 +1,5 @@
-"""What every rollout server keeps the same way (the hf standalone server in ``replica.py``, the hf hybrid server
-in ``hybrid.py``, the vLLM server in ``vllm_engine.py``): request counters, the broken state and its error, the
+"""What every rollout server keeps the same way (the hf standalone server in ``hf.py``, the hybrid server
+in ``hybrid.py``, the vLLM server in ``vllm.py``): request counters, the broken state and its error, the
 fields of ``ping`` and ``progress``, and ``abort_request``. Each server adds only how it generates. Also the
 verl replica class of the servers that run in a process of their own (hf standalone, vLLM).
 """
