@@ -85,30 +85,28 @@ def _model_tokens(batches) -> list[int]:
 
 
 class _RecordingSapoGroup:
-    """Stands in for a 2-rank SapoWorker group: keeps the DataProtos RemoteSapo dispatches."""
+    """Stands in for a 2-rank SapoWorker group: keeps the DataProtos RemoteSapo dispatches to ``call_role``."""
 
     world_size = 2
 
     def __init__(self):
         self.sent = {}
 
-    def compute_sapo_readouts(self, proto, **kwargs):
+    def call_role(self, proto, **kwargs):
         from verl.protocol import DataProto
 
-        self.sent["readouts"] = proto
-        # one readout column per row (its row index), so the returned order and un-padding are visible
-        return DataProto.from_dict(tensors={"readout_turn_mask": torch.ones(len(proto), 2),
-                                            "readout_row": torch.arange(len(proto), dtype=torch.float32)})
-
-    def update_sapo(self, proto, **kwargs):
-        from verl.protocol import DataProto
-
-        self.sent["update"] = proto
+        method = proto.meta_info["method"]
+        self.sent[method] = proto
+        if method == "readouts":
+            # one readout column per row (its row index), so the returned order and un-padding are visible
+            return DataProto.from_dict(tensors={"out__turn_mask": torch.ones(len(proto), 2),
+                                                "out__row": torch.arange(len(proto), dtype=torch.float32)})
         return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": [{"sapo/v_loss": 0.25}] * 2})
 
 
 def test_remote_sapo_pads_odd_batches_with_zero_weight_rows():
     from async_rl.workers.remote import RemoteSapo
+    from async_rl.workers.role_calls import unpack_call
 
     bs, T, K = 3, 4, 2
     batch = {"prompts": torch.ones(bs, 2, dtype=torch.long), "prompt_mask": torch.ones(bs, 2),
@@ -126,20 +124,25 @@ def test_remote_sapo_pads_odd_batches_with_zero_weight_rows():
     # 3 rows on 2 ranks: one added row that holds no model token
     assert len(sent) == 4
     assert sent.batch["response_mask"][3].sum() == 0 and sent.batch["responses"][3].sum() == T  # copied, weightless
-    assert sent.meta_info == {"num_turns": K}
+    assert unpack_call(sent)["num_turns"] == K
     assert readouts["row"].tolist() == [0.0, 1.0, 2.0] and set(readouts) == {"turn_mask", "row"}
 
     targets = {"turn_mask": torch.ones(bs, K), "token_advantages": torch.full((bs, T), 2.0)}
     metrics = remote.update(batch, turns, targets, clip_eps=0.1, c_v=0.7, kl_coef=0.0)
     sent = group.sent["update"]
     assert len(sent) == 4
-    assert sent.batch["target_token_advantages"][3].abs().sum() == 0 and sent.batch["target_turn_mask"][3].sum() == 0
-    assert sent.batch["target_token_advantages"][:3].eq(2.0).all()
-    assert sent.meta_info["clip_eps"] == 0.1 and sent.meta_info["c_v"] == 0.7 and sent.meta_info["kl_coef"] == 0.0
+    assert sent.batch["arg__targets__token_advantages"][3].abs().sum() == 0
+    assert sent.batch["arg__targets__turn_mask"][3].sum() == 0 and sent.batch["arg__turns__turn_mask"][3].sum() == 0
+    assert sent.batch["arg__targets__token_advantages"][:3].eq(2.0).all()
+    # what the role receives on a rank: its own signature's arguments, the left-out ones not sent (its defaults)
+    received = unpack_call(sent)
+    assert set(received) == {"batch", "turns", "targets", "clip_eps", "c_v", "kl_coef"}
+    assert (received["clip_eps"], received["c_v"], received["kl_coef"]) == (0.1, 0.7, 0.0)
+    assert set(received["turns"]) == set(turns) and set(received["targets"]) == set(targets)
     assert metrics == {"sapo/v_loss": 0.25}
+    with pytest.raises(TypeError, match="clip_wrong"):  # bound to SapoRole.update's signature on the driver
+        remote.update(batch, turns, targets, clip_wrong=0.1)
 
-    with pytest.raises(ValueError, match="disagree on"):
-        remote.update(batch, {"turn_mask": torch.ones(bs, K + 1)}, targets)
     with pytest.raises(ValueError, match="two reserved value ids"):
         RemoteSapo(group, reserved_ids=(7,))
 

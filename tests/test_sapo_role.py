@@ -401,6 +401,11 @@ def test_update_changes_weights_and_lowers_the_joint_loss(tiny_dir, tokenizer, r
     assert second["sapo/kl"] > 0
     # the reference policy stays frozen
     assert all(not p.requires_grad for p in role.ref_model.parameters())
+    # turn tensors of another (bs, K) than the targets': refused before any forward or step
+    weights = role.export_weights()
+    with pytest.raises(ValueError, match="disagree on"):
+        role.update(batch, {"turn_mask": torch.ones(len(trajs), tg["turn_mask"].shape[1] + 1)}, tg)
+    assert all(torch.equal(weights[k], v) for k, v in role.export_weights().items())
 
 
 def test_model_token_equal_to_a_reserved_id_is_rejected(tiny_dir, tokenizer, reserved):

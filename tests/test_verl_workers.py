@@ -29,7 +29,8 @@ from async_rl.models.tiny import make_tiny_model  # noqa: E402
 from async_rl.workers.placement import make_worker_groups, shutdown_worker_groups  # noqa: E402
 from async_rl.workers.roles import ActorRole, CriticRole  # noqa: E402
 from async_rl.workers.calls import WorkerCallError, WorkerTimeoutError, wait_for_workers  # noqa: E402
-from async_rl.workers.proto import batch_to_proto, pad_proto_for_dp, proto_to_batch  # noqa: E402
+from async_rl.workers.proto import pad_proto_for_dp  # noqa: E402
+from async_rl.workers.role_calls import pack_call, unpack_call  # noqa: E402
 
 OPTIM = OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, max_grad_norm=1.0)
 CALL_TIMEOUT_S = 240.0
@@ -108,24 +109,32 @@ def max_diff(a: dict, b: dict) -> float:
 # --------------------------------------------------------------------------------------------- no Ray
 
 
-def test_proto_round_trip_and_zero_weight_padding():
+def test_call_round_trip_and_zero_weight_padding():
+    """A role call packed for the workers (workers/role_calls.py) comes back as the same arguments; padding rows
+    copy real tokens but carry no loss weight, and their group ids pair with nobody."""
     batch, advantages = training_batch()
-    batch = {**batch, "advantages": advantages, "group_ids": ["a", "a", "b", "b", "c"]}
-    proto = batch_to_proto(batch, {"loss_mode": "vanilla"})
-    assert set(proto.non_tensor_batch) == {"group_ids"} and proto.meta_info["loss_mode"] == "vanilla"
-    back = proto_to_batch(proto)
-    assert back["group_ids"] == batch["group_ids"]
+    ranking = {"scores": batch["scores"], "group_ids": ["a", "a", "b", "b", "c"], "margin": 0.1, "coef": 0.5}
+    proto = pack_call("update", {"batch": batch, "advantages": advantages, "loss_mode": "vanilla",
+                                 "ranking": ranking, "clip_low": None})
+    assert proto.meta_info["method"] == "update" and proto.meta_info["kwargs"] == {"loss_mode": "vanilla",
+                                                                                   "clip_low": None}
+    back = unpack_call(proto)
+    assert set(back) == {"batch", "advantages", "loss_mode", "ranking", "clip_low"}
+    assert torch.equal(back["advantages"], advantages) and back["ranking"]["group_ids"] == ranking["group_ids"]
+    assert (back["ranking"]["margin"], back["ranking"]["coef"]) == (0.1, 0.5)
+    assert torch.equal(back["ranking"]["scores"], ranking["scores"])
     for key, value in batch.items():
-        if torch.is_tensor(value):
-            assert torch.equal(back[key], value), key
+        assert torch.equal(back["batch"][key], value), key
+    with pytest.raises(ValueError, match="one entry per row"):
+        pack_call("update", {"batch": {**batch, "group_ids": ["a"]}})
 
-    padded, added = pad_proto_for_dp(proto, 4)
+    padded, added = pad_proto_for_dp(proto, 4, zero_keys=("response_mask", "arg__advantages"))
     assert (len(padded), added) == (8, 3)
-    rows = proto_to_batch(padded)
-    assert torch.equal(rows["responses"][5:], batch["responses"][-1:].expand(3, -1))  # real tokens, ...
-    assert float(rows["response_mask"][5:].abs().sum()) == 0.0  # ... but no loss weight
+    rows = unpack_call(padded)
+    assert torch.equal(rows["batch"]["responses"][5:], batch["responses"][-1:].expand(3, -1))  # real tokens, ...
+    assert float(rows["batch"]["response_mask"][5:].abs().sum()) == 0.0  # ... but no loss weight
     assert float(rows["advantages"][5:].abs().sum()) == 0.0
-    assert len(set(rows["group_ids"][5:]) | set(batch["group_ids"])) == 6  # pads pair with nobody
+    assert len(set(rows["ranking"]["group_ids"][5:]) | set(ranking["group_ids"])) == 6  # pads pair with nobody
     assert pad_proto_for_dp(proto, 5)[1] == 0
 
 
@@ -194,7 +203,7 @@ def test_hybrid_replicas_on_two_fsdp_ranks_sample_under_the_actors_published_wei
     """The product's colocated path (rollout.mode=hybrid): one replica per FSDP rank, each engine holding its own
     copy of the weights. After an actor update, nothing reaches the engines until the publication; then each rank
     all-gathers the sharded actor in memory and the rollout's behaviour log-probs equal the actor worker's
-    compute_log_probs on the same tokens, on both replicas. The log-probs before the publication are those of the
+    log_probs on the same tokens, on both replicas. The log-probs before the publication are those of the
     checkpoint, and differ from the updated actor's."""
     from async_rl.rollout.base import GenerationRequest, SamplingParams
     from async_rl.rollout.launch import launch_replicas
@@ -232,14 +241,17 @@ def test_hybrid_replicas_on_two_fsdp_ranks_sample_under_the_actors_published_wei
 
 @pytest.mark.slow
 def test_worker_errors_surface_with_names_and_never_hang(disagg):
-    batch, _ = training_batch()  # no "advantages": a malformed update
+    batch, _ = training_batch()  # no "advantages": a malformed update, sent past the adapter's own binding
     start = time.monotonic()
     with pytest.raises(WorkerCallError) as info:
-        disagg.actor.update_actor(pad_proto_for_dp(batch_to_proto(batch), 2)[0], timeout_s=120)
+        disagg.actor.call_role(pad_proto_for_dp(pack_call("update", {"batch": batch, "loss_mode": "vanilla"}), 2)[0],
+                               timeout_s=120)
     assert time.monotonic() - start < 60
     message = str(info.value)
-    assert "update_actor" in message and "advantages" in message and "KeyError" in message
+    assert "ActorRole.update" in message and "argument advantages" in message and "KeyError" in message
     assert info.value.worker and info.value.worker in message and "rank" in message
+    with pytest.raises(TypeError, match="advantages"):  # the adapter binds the role's signature before sending
+        disagg.remote_actor().update(batch, loss_mode="vanilla")
 
     start = time.monotonic()
     with pytest.raises(WorkerTimeoutError) as info:
@@ -279,12 +291,10 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
     from async_rl.driver.learner import shared_backbone_targets
     from async_rl.workers.remote import RemoteSapo
     from async_rl.workers.sapo import SapoRole, resolve_reserved_ids
-    from async_rl.workers.proto import batch_to_proto, metrics_from_proto
     from async_rl.workers.sapo_worker import SapoWorker
 
     batch, _ = training_batch(seed=3, n=4)
     turns = turn_tensors(batch)
-    proto_in = {**batch, **turns}
     pool = _pool(2, False, "sapo_test_")
     group = _group(pool, {"actor": RayClassWithInitArgs(ray.remote(SapoWorker), tiny_dir, optim=OPTIM)},
                    name="sapo_test_", call_timeout_s=CALL_TIMEOUT_S, device_name="cpu", cpus_per_worker=None,
@@ -294,7 +304,7 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
         # the driver's path: readouts from the ranks, the registered estimator on the whole batch, the update
         remote = RemoteSapo(group, reserved_ids=resolve_reserved_ids(load_tokenizer(tiny_dir)))
         _, targets = shared_backbone_targets(remote, batch, turns, {})
-        out = group.update_sapo(batch_to_proto({**proto_in, **{f"target_{k}": v for k, v in targets.items()}}))
+        out = remote.update(batch, turns, targets)
         remote_weights = group.export_weights()[0]
     finally:
         ray.util.remove_placement_group(pool.pgs[0]) if pool.pgs else None
@@ -309,4 +319,4 @@ def test_two_sapo_ranks_match_single_process_update(ray_cluster, tiny_dir):
     after = local.export_weights()
     assert max_diff(after, before) > 5e-4
     assert max_diff(remote_weights, after) < 1e-5
-    assert metrics_from_proto(out)["sapo/v_loss"] == pytest.approx(local_metrics["sapo/v_loss"], abs=1e-5)
+    assert out["sapo/v_loss"] == pytest.approx(local_metrics["sapo/v_loss"], abs=1e-5)

@@ -100,6 +100,11 @@ def mismatch_sums(behaviour_log_probs: torch.Tensor, trainer_log_probs: torch.Te
             "dis_masked": outside[m].sum().double(), "n_all": m.sum().double()}
 
 
+# the keys of :func:`mismatch_metrics`: global values on every rank (built from all-reduced sums)
+MISMATCH_METRIC_KEYS = ("rollout/mismatch_kl", "rollout/mismatch_abs_logprob_mean", "rollout/mismatch_tokens",
+                        "rollout/dis_band_masked_frac")
+
+
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
     """``rollout/mismatch_kl``, ``rollout/mismatch_abs_logprob_mean`` (0 when no token is at the current version),
     ``rollout/mismatch_tokens`` and ``rollout/dis_band_masked_frac`` from :func:`mismatch_sums` totals."""

@@ -123,8 +123,11 @@ class ObjectStoreCheckpointEngine(CheckpointEngine):
             if mailbox is None:
                 raise ValueError("no mailbox yet")
             ray.get(mailbox.ping.remote(), timeout=30)
-        except Exception:  # none yet, or it belonged to an earlier Ray session
-            cls._mailboxes[name] = ray.remote(WeightMailbox).options(name=name, num_cpus=0).remote()
+        except ray.exceptions.GetTimeoutError:
+            pass  # alive but slow to answer (a loaded machine): the handle stays valid, its calls queue
+        except Exception:  # none yet, or it belonged to an earlier Ray session (get_if_exists: never a second one)
+            cls._mailboxes[name] = ray.remote(WeightMailbox).options(name=name, num_cpus=0,
+                                                                      get_if_exists=True).remote()
         import uuid
 
         world = actor_wg_world_size + rollout_world_size

@@ -1,4 +1,5 @@
-"""The driver's batch dict as a verl ``DataProto`` and back, and zero-weight padding for data parallelism.
+"""A verl ``DataProto`` back to the driver's batch dict, and zero-weight padding for data parallelism (a role call is
+packed by :mod:`async_rl.workers.role_calls`).
 
 Tensors travel in ``.batch``, per-row python objects in ``.non_tensor_batch``, settings and metrics in
 ``.meta_info``. Under DP every rank must get the same number of rows, so :func:`pad_proto_for_dp` adds
@@ -8,24 +9,18 @@ Tensors travel in ``.batch``, per-row python objects in ``.non_tensor_batch``, s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from verl.protocol import DataProto
 
 
-
-# keys the worker methods read from ``DataProto.batch``
+# the columns every model forward reads
 MODEL_INPUT_KEYS = ("prompts", "prompt_mask", "responses", "response_attention")
-ACTOR_UPDATE_KEYS = MODEL_INPUT_KEYS + ("response_mask", "behaviour_log_probs", "advantages")
-CRITIC_UPDATE_KEYS = MODEL_INPUT_KEYS + ("value_targets", "value_mask", "old_values")
-# keys set to 0 on the rows added by :func:`pad_proto_for_dp` (they carry no loss weight)
-ZERO_WEIGHT_KEYS = ("response_mask", "advantages", "value_mask")
-
-
-SAPO_TURN_KEYS = ("turn_rewards", "turn_dones", "turn_mask", "turn_invalid")
+# columns set to 0 on the rows added by :func:`pad_proto_for_dp` unless the call names its own (no loss weight)
+ZERO_WEIGHT_KEYS = ("response_mask",)
 
 
 def object_array(values: Sequence[Any]) -> np.ndarray:
@@ -36,31 +31,9 @@ def object_array(values: Sequence[Any]) -> np.ndarray:
     return out
 
 
-def batch_to_proto(batch: Mapping[str, Any], meta_info: Optional[Mapping[str, Any]] = None) -> DataProto:
-    """A collated batch dict as a verl ``DataProto``.
-
-    Tensors whose first dimension is the batch size go to ``.batch``; per-row python values (a list,
-    tuple or numpy array of batch-size length, e.g. ``group_ids``) to ``.non_tensor_batch`` as 1-D object
-    arrays; anything else (scalars, settings, tensors of another length) to ``.meta_info``.
-    The batch size is the first dimension of the first tensor (else the length of the first list).
-    """
-    bs = next((int(v.shape[0]) for v in batch.values() if torch.is_tensor(v) and v.dim() > 0), None)
-    if bs is None:
-        bs = next((len(v) for v in batch.values() if isinstance(v, (list, tuple, np.ndarray))), None)
-    tensors, non_tensors, meta = {}, {}, dict(meta_info or {})
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == bs:
-            tensors[key] = value
-        elif isinstance(value, (list, tuple, np.ndarray)) and not torch.is_tensor(value) and len(value) == bs:
-            non_tensors[key] = object_array(list(value))
-        else:
-            meta[key] = value
-    return DataProto.from_dict(tensors=tensors or None, non_tensors=non_tensors, meta_info=meta)
-
-
 def proto_to_batch(proto: DataProto) -> dict[str, Any]:
-    """The inverse of :func:`batch_to_proto` for the per-row data: tensors as tensors, non-tensor
-    columns as python lists (``meta_info`` stays on the proto)."""
+    """A DataProto's per-row data as a batch dict: tensors as tensors, non-tensor columns as python lists
+    (``meta_info`` stays on the proto)."""
     out: dict[str, Any] = {}
     if proto.batch is not None:
         for key in proto.batch.keys():
@@ -94,7 +67,7 @@ def pad_proto_for_dp(proto: DataProto, world_size: int,
             tensors[key] = torch.cat([value, extra])
     non_tensors = {}
     for key, value in proto.non_tensor_batch.items():
-        extra = [f"__dp_pad_{i}__" for i in range(pad)] if key == "group_ids" else [value[-1]] * pad
+        extra = [f"__dp_pad_{i}__" for i in range(pad)] if key.endswith("group_ids") else [value[-1]] * pad
         non_tensors[key] = object_array(list(value) + extra)
     padded = DataProto.from_dict(tensors=tensors or None, non_tensors=non_tensors, meta_info=dict(proto.meta_info))
     return padded, pad

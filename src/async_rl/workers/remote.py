@@ -1,21 +1,29 @@
-"""Driver-side adapters: the learner calls a worker group as it calls a local role (``RemoteActor``,
-``RemoteCritic``, ``RemoteSapo``); batches are padded to the world size and the padding dropped again."""
+"""Driver-side adapters: the learner calls a worker group as it calls a local role.
+
+One adapter, written once: :func:`remote_adapter` turns a role class into a class with the same methods for the
+role's ``REMOTE_CALLS`` (``RemoteActor`` from ``ActorRole``, ``RemoteCritic`` from ``CriticRole``, ``RemoteSapo``
+from ``SapoRole``). Each method binds its arguments to the role method's own signature, packs them into one
+``DataProto`` (``workers/role_calls.py``), pads it to the world size with zero-weight rows, calls the group's
+generic ``call_role`` and returns the result with the padding dropped, in batch order. :class:`RemoteRole` adds the
+checkpoint calls (full state through rank 0, or every rank its shard) and the weight export.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import ray
 import torch
 from verl.protocol import DataProto
 
-from async_rl.algos.dis import DIS_HIGH, DIS_LOW
-from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW
 from async_rl.algos.sapo import num_turns_of
-from async_rl.workers.proto import (SAPO_TURN_KEYS, batch_to_proto, metrics_from_proto, pad_proto_for_dp,
-                                    proto_to_batch, unpad)
+from async_rl.workers.proto import pad_proto_for_dp, proto_to_batch, unpad
+from async_rl.workers.role_calls import pack_call, remote_call_of, unpack_result
+from async_rl.workers.roles import ActorRole, CriticRole
+from async_rl.workers.sapo import SapoRole
 
 
 def _first(values):
@@ -23,11 +31,12 @@ def _first(values):
 
 
 class RemoteRole:
-    """What every driver-side adapter shares, written once: the worker group, the call timeout, and the
-    checkpoint calls of a :class:`~async_rl.workers.train_workers.TrainedRoleWorker` group (full state through
-    rank 0, or every rank its shard: the driver's checkpoints use the sharded form, ``saves_sharded``)."""
+    """What every driver-side adapter shares, written once: the worker group, the call timeout, the generic
+    data-parallel call, and the checkpoint calls of a :class:`~async_rl.workers.train_workers.TrainedRoleWorker`
+    group (the driver's checkpoints use the sharded form, ``saves_sharded``)."""
 
     saves_sharded = True
+    role_class: type = object  # set by remote_adapter
 
     def __init__(self, worker_group, timeout_s: Optional[float] = None):
         self.wg = worker_group
@@ -40,6 +49,14 @@ class RemoteRole:
     @property
     def world_size(self) -> int:
         return int(self.wg.world_size)
+
+    def call(self, method: str, arguments: dict[str, Any], timeout_s: Optional[float] = None) -> Any:
+        """Run ``role_class.method(**arguments)`` on every rank's share of the batch (``REMOTE_CALLS[method]``)."""
+        spec = remote_call_of(self.role_class, method)
+        if isinstance(arguments.get("batch"), DataProto):
+            arguments = {**arguments, "batch": proto_to_batch(arguments["batch"])}
+        padded, added = pad_proto_for_dp(pack_call(method, arguments), self.world_size, zero_keys=spec.zero_keys)
+        return unpack_result(unpad(self.wg.call_role(padded, **self._kw(timeout_s)), added))
 
     def state_dict(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
         return _first(self.wg.state_dict(**self._kw(timeout_s)))
@@ -54,72 +71,54 @@ class RemoteRole:
         return _first(self.wg.load_sharded(os.fspath(directory), **self._kw(timeout_s)))
 
 
-class RemoteActor(RemoteRole):
-    """The :class:`~async_rl.workers.roles.ActorRole` calls, served by an ActorWorker group.
-
-    Batches are collated dicts (or DataProtos); padding for DP and the timeout are handled here.
-    """
-
-    def log_probs(self, batch, timeout_s: Optional[float] = None) -> torch.Tensor:
-        proto = batch if isinstance(batch, DataProto) else batch_to_proto(batch)
-        padded, added = pad_proto_for_dp(proto, self.wg.world_size)
-        out = self.wg.compute_log_probs(padded, **self._kw(timeout_s))
-        return unpad(out, added).batch["log_probs"]
-
-    def update(self, batch, advantages: torch.Tensor, loss_mode: str = "ppo_clip", clip_low: float = CLIP_LOW,
-               clip_high: float = CLIP_HIGH, dis_low: float = DIS_LOW, dis_high: float = DIS_HIGH,
-               loss_agg_mode: str = "seq-mean-token-mean", timeout_s: Optional[float] = None) -> dict[str, float]:
-        data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
-        data["advantages"] = advantages
-        proto = batch_to_proto(data, {"loss_mode": loss_mode, "clip_low": clip_low, "clip_high": clip_high,
-                                      "dis_low": dis_low, "dis_high": dis_high, "loss_agg_mode": loss_agg_mode})
-        padded, _ = pad_proto_for_dp(proto, self.wg.world_size)
-        return metrics_from_proto(self.wg.update_actor(padded, **self._kw(timeout_s)))
+class _WeightCalls:
+    """The weight calls of a policy's worker group (``ActorWorker`` and ``SapoWorker``, ONE_TO_ALL)."""
 
     def export_weights(self, timeout_s: Optional[float] = None) -> dict[str, torch.Tensor]:
+        """Full CPU weights (rank 0's; every rank takes part in the all-gather)."""
         return _first(self.wg.export_weights(**self._kw(timeout_s)))
 
     def publish_weights(self, version: int, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        """Rank 0 puts the full weights in Ray's object store: ``{"version", "ref": [ObjectRef]}``."""
         return _first(self.wg.publish_weights(version, **self._kw(timeout_s)))
 
 
-class RemoteCritic(RemoteRole):
-    """The :class:`~async_rl.workers.roles.CriticRole` calls, served by a CriticWorker group."""
+def _remote_method(role_class: type, name: str):
+    role_method = getattr(role_class, name)
+    signature = inspect.signature(role_method)
 
-    def values(self, batch, timeout_s: Optional[float] = None) -> torch.Tensor:
-        proto = batch if isinstance(batch, DataProto) else batch_to_proto(batch)
-        padded, added = pad_proto_for_dp(proto, self.wg.world_size)
-        return unpad(self.wg.compute_values(padded, **self._kw(timeout_s)), added).batch["values"]
+    def method(self, *args, timeout_s: Optional[float] = None, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)  # the role's own signature: its defaults stay its own
+        arguments = {key: value for key, value in bound.arguments.items() if key != "self"}
+        return self.call(name, arguments, timeout_s)
 
-    def update(self, batch, targets: torch.Tensor, mask: torch.Tensor, old_values: torch.Tensor,
-               clip_eps: Optional[float] = 0.2, ranking: Optional[dict[str, Any]] = None,
-               timeout_s: Optional[float] = None) -> dict[str, float]:
-        data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
-        data.update(value_targets=targets, value_mask=mask.to(torch.float32), old_values=old_values)
-        meta: dict[str, Any] = {"clip_eps": clip_eps}
-        if ranking is not None:
-            data["scores"] = ranking["scores"]
-            data["group_ids"] = list(ranking["group_ids"])
-            meta["ranking"] = {"margin": ranking["margin"], "coef": ranking["coef"]}
-        padded, _ = pad_proto_for_dp(batch_to_proto(data, meta), self.wg.world_size)
-        return metrics_from_proto(self.wg.update_critic(padded, **self._kw(timeout_s)))
+    method.__name__ = name
+    method.__doc__ = f"``{role_class.__name__}.{name}`` on the worker group's ranks.\n\n{role_method.__doc__ or ''}"
+    timeout = inspect.Parameter("timeout_s", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[float]")
+    method.__signature__ = signature.replace(parameters=[*signature.parameters.values(), timeout])
+    return method
 
 
-# rows added by pad_proto_for_dp to a SAPO batch: no model token, no valid turn, hence no loss weight (the frozen
-# targets of such a row are zero too); the driver computed the turn advantages on the unpadded batch
-SAPO_ZERO_WEIGHT_KEYS = ("response_mask", "turn_mask", "target_turn_mask", "target_token_advantages")
+def remote_adapter(role_class: type, name: Optional[str] = None) -> type:
+    """A :class:`RemoteRole` subclass with one method per ``role_class.REMOTE_CALLS`` entry (same signature, plus
+    ``timeout_s``), and the weight calls when the role exports weights."""
+    bases = (RemoteRole, _WeightCalls) if hasattr(role_class, "export_weights") else (RemoteRole,)
+    namespace = {method: _remote_method(role_class, method) for method in role_class.REMOTE_CALLS}
+    name = name or f"Remote{role_class.__name__.removesuffix('Role')}"
+    for method in namespace.values():
+        method.__qualname__ = f"{name}.{method.__name__}"
+    namespace.update(role_class=role_class, __module__=__name__,
+                     __doc__=f"The :class:`{role_class.__name__}` calls the learner makes, served by a worker group.")
+    return type(name, bases, namespace)
 
 
-class RemoteSapo(RemoteRole):
-    """The :class:`~async_rl.workers.sapo.SapoRole` calls the learner makes (spec §5), served by a
-    :class:`SapoWorker` group: ``readouts``, ``update``, the weight export and
-    checkpoints, and ``banned_token_ids`` for the rollout's sampling.
+RemoteActor = remote_adapter(ActorRole, "RemoteActor")
+RemoteCritic = remote_adapter(CriticRole, "RemoteCritic")
 
-    Batches are collated dicts; the turn tensors and the frozen targets travel in the same DataProto as
-    the batch (targets as ``target_<name>`` columns), padded for DP with zero-weight rows
-    (:data:`SAPO_ZERO_WEIGHT_KEYS`). Every rank returns the global metrics (``SapoRole.update``
-    all-reduces them), so the driver reads one.
-    """
+
+class RemoteSapo(remote_adapter(SapoRole, "_RemoteSapoCalls")):
+    """The :class:`~async_rl.workers.sapo.SapoRole` calls (spec §5) on a ``SapoWorker`` group, and the reserved value
+    ids the rollout must never sample (``banned_token_ids``), as the workers resolved them."""
 
     def __init__(self, worker_group, reserved_ids: Sequence[int], timeout_s: Optional[float] = None):
         if len(tuple(reserved_ids)) != 2:
@@ -127,42 +126,18 @@ class RemoteSapo(RemoteRole):
         super().__init__(worker_group, timeout_s)
         self.reserved_ids = tuple(int(i) for i in reserved_ids)
 
-    export_weights = RemoteActor.export_weights  # a SapoWorker is an ActorWorker: the same weight calls
-    publish_weights = RemoteActor.publish_weights
-
     @property
     def banned_token_ids(self) -> tuple[int, int]:
         """The rollout never samples the reserved ids (their logits are the V/Q readout)."""
         return self.reserved_ids
 
-    def _padded_proto(self, batch, turns, targets=None, meta_info=None) -> tuple[DataProto, int]:
-        data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
-        data.update({key: turns[key] for key in SAPO_TURN_KEYS if key in turns})
-        if targets is not None:
-            data.update({f"target_{key}": value for key, value in targets.items() if torch.is_tensor(value)})
-        return pad_proto_for_dp(batch_to_proto(data, meta_info), self.wg.world_size, zero_keys=SAPO_ZERO_WEIGHT_KEYS)
-
     def readouts(self, batch, num_turns: Optional[int] = None, timeout_s: Optional[float] = None
                  ) -> dict[str, torch.Tensor]:
-        """The frozen old readouts of the whole batch (rows in batch order), as ``SapoRole.readouts``."""
-        data = dict(proto_to_batch(batch) if isinstance(batch, DataProto) else batch)
-        # K of the whole batch: a rank's shard may hold fewer turns, and the shards are joined again
-        meta = {"num_turns": int(num_turns if num_turns is not None else num_turns_of(data["token_turn_index"]))}
-        proto, added = pad_proto_for_dp(batch_to_proto(data, meta), self.wg.world_size,
-                                        zero_keys=SAPO_ZERO_WEIGHT_KEYS)
-        out = unpad(self.wg.compute_sapo_readouts(proto, **self._kw(timeout_s)), added)
-        return {key[len("readout_"):]: out.batch[key] for key in out.batch.keys()}
+        """``SapoRole.readouts`` on the ranks, with K taken from the whole batch when not given: a rank's shard may
+        hold fewer turns, and the shards' readouts are joined again."""
+        if num_turns is None:
+            num_turns = num_turns_of(batch["token_turn_index"])
+        return self.call("readouts", {"batch": batch, "num_turns": int(num_turns)}, timeout_s)
 
-    def update(self, batch, turns: Optional[Mapping[str, torch.Tensor]], targets: Mapping[str, torch.Tensor],
-               clip_eps: float = 0.2, clip_v: float = 0.2, clip_q: float = 0.2, c_v: float = 0.5, c_q: float = 0.5,
-               c_h: float = 0.0, kl_coef: Optional[float] = None,
-               timeout_s: Optional[float] = None) -> dict[str, float]:
-        """One joint optimizer step over all ranks (``SapoRole.update``); returns its global metrics."""
-        if turns is None:  # the targets carry the combined turn mask: the workers only need it for the shapes
-            turns = {"turn_mask": targets["turn_mask"]}
-        if turns["turn_mask"].shape != targets["turn_mask"].shape:
-            raise ValueError("turns and targets disagree on (bs, K): recompute the targets for this batch")
-        meta = {"clip_eps": float(clip_eps), "clip_v": float(clip_v), "clip_q": float(clip_q), "c_v": float(c_v),
-                "c_q": float(c_q), "c_h": float(c_h), "kl_coef": None if kl_coef is None else float(kl_coef)}
-        proto, _ = self._padded_proto(batch, turns, targets, meta)
-        return metrics_from_proto(self.wg.update_sapo(proto, **self._kw(timeout_s)))
+
+__all__ = ["RemoteActor", "RemoteCritic", "RemoteRole", "RemoteSapo", "remote_adapter"]

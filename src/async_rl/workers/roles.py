@@ -21,7 +21,7 @@ from async_rl.algos import (
     values_at_last_model_token,
 )
 from async_rl.algos.dis import DIS_HIGH, DIS_LOW
-from async_rl.algos.metrics import mismatch_metrics, mismatch_sums
+from async_rl.algos.metrics import MISMATCH_METRIC_KEYS, mismatch_metrics, mismatch_sums
 from async_rl.algos.policy import CLIP_HIGH, CLIP_LOW
 from async_rl.config import POLICY_LOSSES
 from async_rl.engine import dist
@@ -31,6 +31,8 @@ from async_rl.engine.microbatch import MicroBatchPlan
 from async_rl.models.critic import CriticModel
 from async_rl.models.loading import load_causal_lm
 from async_rl.models.logprobs import DEFAULT_LOGITS_CHUNK_TOKENS, response_token_logprobs
+from async_rl.workers.proto import MODEL_INPUT_KEYS
+from async_rl.workers.role_calls import ARG_PREFIX, RemoteCall
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -77,6 +79,16 @@ class EngineCheckpoints:
 
 class ActorRole(EngineCheckpoints):
     """The policy: log-probs, entropy, one update with a verl-registered policy loss, weight export."""
+
+    # the learner's calls, also on a worker group (workers/role_calls.py)
+    REMOTE_CALLS = {
+        "log_probs": RemoteCall(),
+        "update": RemoteCall(required=MODEL_INPUT_KEYS + ("response_mask", "behaviour_log_probs",
+                                                          f"{ARG_PREFIX}advantages"),
+                             # the mismatch metrics come from all-reduced sums: already global too
+                             trains=True, global_metrics=("actor/grad_norm", *MISMATCH_METRIC_KEYS),
+                             zero_keys=("response_mask", f"{ARG_PREFIX}advantages")),
+    }
 
     def __init__(
         self,
@@ -183,6 +195,15 @@ class ActorRole(EngineCheckpoints):
 
 class CriticRole(EngineCheckpoints):
     """The separate critic: policy backbone + value head, attention frozen, its own optimizer and lr."""
+
+    # the learner's calls, also on a worker group (workers/role_calls.py); the ranking loss is already global
+    REMOTE_CALLS = {
+        "values": RemoteCall(),
+        "update": RemoteCall(required=MODEL_INPUT_KEYS + (f"{ARG_PREFIX}targets", f"{ARG_PREFIX}mask",
+                                                          f"{ARG_PREFIX}old_values"),
+                             trains=True, global_metrics=("critic/grad_norm", "li2sao/rank_loss"),
+                             zero_keys=("response_mask", f"{ARG_PREFIX}mask")),
+    }
 
     def __init__(
         self,

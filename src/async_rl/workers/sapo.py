@@ -37,6 +37,8 @@ from async_rl.models.logprobs import (
     position_ids_from_attention_mask,
     token_logprobs_from_logits,
 )
+from async_rl.workers.proto import MODEL_INPUT_KEYS
+from async_rl.workers.role_calls import ARG_PREFIX, RemoteCall
 from async_rl.workers.roles import EngineCheckpoints
 
 logger = logging.getLogger(__name__)
@@ -252,6 +254,15 @@ class SapoRole(EngineCheckpoints):
         logits_chunk_tokens: LM-head positions per chunk for log-probs, entropy and the two readout
             logits (:func:`~async_rl.models.logprobs.chunked_head_logprobs`); ``None`` = full logits.
     """
+
+    # the learner's calls, also on a worker group (workers/role_calls.py); ``update`` all-reduces its own metrics
+    REMOTE_CALLS = {
+        "readouts": RemoteCall(required=MODEL_INPUT_KEYS + ("response_mask", "token_turn_index")),
+        "update": RemoteCall(required=MODEL_INPUT_KEYS + ("response_mask", "behaviour_log_probs", "token_turn_index"),
+                             trains=True, reduce_metrics=False,
+                             zero_keys=("response_mask", f"{ARG_PREFIX}turns__turn_mask",
+                                        f"{ARG_PREFIX}targets__turn_mask", f"{ARG_PREFIX}targets__token_advantages")),
+    }
 
     def __init__(
         self,
@@ -570,14 +581,14 @@ class SapoRole(EngineCheckpoints):
         ``sapo/v_mean``, ``sapo/q_mean``, ``sapo/v_clipfrac``, ``sapo/q_clipfrac``, ``actor/pg_loss``,
         ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/grad_norm``.
         """
+        if turns is not None and turns["turn_mask"].shape != targets["turn_mask"].shape:
+            raise ValueError("turns and targets disagree on (bs, K): recompute the targets for this batch")
         beta = self.kl_coef if kl_coef is None else float(kl_coef)
         if beta > 0 and "ref_log_probs" not in targets:
             if self.ref_model is None:
                 raise ValueError("kl_coef > 0 needs a reference model (SapoRole(kl_coef>0) or ref_model=...)")
             targets = {**targets, "ref_log_probs": self.reference_log_probs(batch)}
         use_kl = "ref_log_probs" in targets  # measured whenever a reference exists, in the loss when β > 0
-        if turns is not None and turns["turn_mask"].shape != targets["turn_mask"].shape:
-            raise ValueError("turns and targets disagree on (bs, K): recompute the targets for this batch")
         K = int(targets["turn_mask"].shape[1])
 
         self.engine.train_mode()

@@ -1,11 +1,13 @@
 """The actor and critic roles as verl workers, one per data-parallel rank (``ActorWorker``, ``CriticWorker``).
 
 The computation is :class:`async_rl.workers.roles.ActorRole` / :class:`~async_rl.workers.roles.CriticRole`; a worker
-adds the process group, the ``@register`` dispatch modes and the ``DataProto`` conversion.
+adds the process group, the model's construction, and one generic data-parallel method, ``call_role``, that runs
+any of the role's ``REMOTE_CALLS`` (``workers/role_calls.py``); the checkpoint and weight calls are ONE_TO_ALL.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -17,7 +19,8 @@ from verl.single_controller.base.decorator import Dispatch, register
 from async_rl.engine import dist
 from async_rl.engine.base import OptimizerConfig
 from async_rl.engine.settings import TrainingSettings
-from async_rl.workers.proto import ACTOR_UPDATE_KEYS, CRITIC_UPDATE_KEYS, MODEL_INPUT_KEYS, check_keys, proto_to_batch
+from async_rl.workers.proto import check_keys
+from async_rl.workers.role_calls import ARG_PREFIX, pack_result, remote_call_of, unpack_call
 from async_rl.workers.worker_base import RoleWorker
 
 
@@ -67,6 +70,37 @@ class TrainedRoleWorker(RoleWorker):
         self.role = None
         # weight changes: the actor's optimizer steps and every load (a colocated rollout checks it synced since)
         self.update_count = 0
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def call_role(self, data: DataProto) -> DataProto:
+        """Run one of the role's ``REMOTE_CALLS`` on this rank's shard: the one worker method behind every learner
+        call (``workers/role_calls.py`` packs and unpacks; ``workers/remote.py`` is the driver's side).
+
+        The inputs are checked first, identically on every rank, so a malformed call fails everywhere before any
+        collective and leaves the group usable. A training call frees a colocated rollout's KV cache first and
+        counts as a weight change; its metrics are summed over the ranks (but for the ones already global)."""
+        self._require_model()
+        method = str(data.meta_info.get("method"))
+        call = remote_call_of(type(self.role), method)
+        where = f"{type(self.role).__name__}.{method}"
+        have = set(data.batch.keys()) if data.batch is not None else set()
+        missing = [key.replace(ARG_PREFIX, "argument ") for key in call.required if key not in have]
+        if missing:
+            raise KeyError(f"{where}: the call is missing {missing} (it sent {sorted(have)})")
+        check_keys(data, call.required, where)
+        arguments = unpack_call(data)
+        try:
+            inspect.signature(getattr(self.role, method)).bind(**arguments)
+        except TypeError as error:
+            raise TypeError(f"{where}: {error}") from None
+        if call.trains:
+            self._free_colocated_rollout_cache()
+        result = getattr(self.role, method)(**arguments)
+        if call.trains:
+            self.update_count += 1
+        device = self.role.engine.device
+        reducer = (lambda m: _reduce_metrics(m, device, keep=call.global_metrics)) if call.reduce_metrics else None
+        return pack_result(result, reducer)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def state_dict(self) -> Optional[dict[str, Any]]:
@@ -133,37 +167,6 @@ class ActorWorker(TrainedRoleWorker):
                               **self.training.role_kwargs())
         return {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
                 "device": str(self.role.engine.device), "sharded": self.role.engine.is_sharded}
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_log_probs(self, data: DataProto) -> DataProto:
-        """``log_probs (bs, T)``: log π_θ of this shard's response tokens (the rollout's rule)."""
-        self._require_model()
-        check_keys(data, MODEL_INPUT_KEYS, "compute_log_probs")
-        log_probs = self.role.log_probs(proto_to_batch(data))
-        return DataProto.from_dict(tensors={"log_probs": log_probs})
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def update_actor(self, data: DataProto) -> DataProto:
-        """One optimizer step on this rank's shard; the token-mean normaliser is global.
-
-        ``data.batch`` needs :data:`ACTOR_UPDATE_KEYS` (``advantages (bs, T)`` included);
-        ``data.meta_info`` may set ``loss_mode`` ("ppo_clip" | "dis" | "dis_clip" | "vanilla"), ``clip_low``,
-        ``clip_high``, ``dis_low``, ``dis_high``, ``loss_agg_mode``. Returns an empty DataProto with the global metrics in
-        ``meta_info["metrics"]``.
-        """
-        self._require_model()
-        check_keys(data, ACTOR_UPDATE_KEYS, "update_actor")
-        self._free_colocated_rollout_cache()
-        meta = data.meta_info
-        batch = proto_to_batch(data)
-        advantages = batch.pop("advantages")
-        # RemoteActor.update always sends every setting: the role's defaults apply only to keys it left out
-        settings = {key: meta[key] for key in ("clip_low", "clip_high", "dis_low", "dis_high", "loss_agg_mode")
-                    if key in meta}
-        metrics = self.role.update(batch, advantages, meta.get("loss_mode", "ppo_clip"), **settings)
-        self.update_count += 1
-        metrics = _reduce_metrics(metrics, self.role.engine.device, keep=("actor/grad_norm",))
-        return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
 
     def _full_weights_rank0(self) -> Optional[dict[str, torch.Tensor]]:
         self._require_model()
@@ -259,36 +262,3 @@ class CriticWorker(TrainedRoleWorker):
                                micro_batch_size=self.micro_batch_size, **self.training.role_kwargs())
         return {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
                 "device": str(self.role.engine.device), "sharded": self.role.engine.is_sharded}
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_values(self, data: DataProto) -> DataProto:
-        """``values (bs, T)``: V(s_t) before every response token (0 off real response tokens)."""
-        self._require_model()
-        check_keys(data, MODEL_INPUT_KEYS, "compute_values")
-        return DataProto.from_dict(tensors={"values": self.role.values(proto_to_batch(data))})
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def update_critic(self, data: DataProto) -> DataProto:
-        """One optimizer step of the clipped value loss (the caller drives the K passes).
-
-        ``data.batch`` needs :data:`CRITIC_UPDATE_KEYS`; ``meta_info`` may set ``clip_eps`` and
-        ``ranking = {"margin", "coef"}`` (then ``batch["scores"]`` and ``non_tensor_batch["group_ids"]``
-        are used). Under DP the ranking term is Eq. 11 over the global batch (the role all-gathers the
-        terminal values, so groups may straddle ranks and pair counts may differ between them).
-        """
-        self._require_model()
-        check_keys(data, CRITIC_UPDATE_KEYS, "update_critic")
-        self._free_colocated_rollout_cache()
-        meta = data.meta_info
-        batch = proto_to_batch(data)
-        ranking = None
-        if meta.get("ranking") is not None:
-            if "scores" not in batch or "group_ids" not in batch:
-                raise KeyError("update_critic: ranking needs batch['scores'] and non_tensor_batch['group_ids']")
-            ranking = {"scores": batch["scores"], "group_ids": list(batch["group_ids"]),
-                       "margin": meta["ranking"]["margin"],
-                       "coef": float(meta["ranking"]["coef"])}
-        metrics = self.role.update(batch, batch["value_targets"], batch["value_mask"], batch["old_values"],
-                                   clip_eps=meta.get("clip_eps", 0.2), ranking=ranking)
-        metrics = _reduce_metrics(metrics, self.role.engine.device, keep=("critic/grad_norm", "li2sao/rank_loss"))
-        return DataProto(batch=None, non_tensor_batch={}, meta_info={"metrics": metrics})
