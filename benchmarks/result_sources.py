@@ -75,6 +75,7 @@ RESULT_INPUTS: dict[str, list[str]] = {
     "smollm2_answers.json": ["benchmarks/smollm2_answers.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_answers_1digit.json": ["benchmarks/smollm2_answers.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_learning.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
+    "smollm2_learning_format.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_learning_grpo_1digit.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_learning_grpo_lr1e-5.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
     "memory_model_smollm2.json": ["benchmarks/memory_model.py"],
