@@ -159,3 +159,46 @@ def test_the_concurrent_driver_trains_with_verls_manager_moving_every_publicatio
     assert len(history) == 3 and pool.policy_version == driver.learner.policy_version == 3
     assert pool.counters["weight_updates"] == 4  # version 0 at the start, then one per step
     assert all(m["async/policy_lag/max"] <= 1 for m in history)
+
+
+def test_a_mailbox_slow_to_answer_is_kept_not_created_twice(monkeypatch):
+    """Under load the mailbox may miss its 30 s ping; creating a second actor of the same name would fail
+    (ActorAlreadyExistsError), so the handle is kept. A mailbox of an earlier Ray session is replaced, and a new one
+    is asked for with get_if_exists (never a second actor of one name). No Ray here: its calls are stand-ins."""
+    import ray
+
+    from async_rl.rollout import checkpoint_engine as engine
+
+    created = []
+
+    class FakeActorClass:
+        def options(self, **options):
+            created.append(options)
+            return self
+
+        def remote(self):
+            return f"mailbox{len(created)}"
+
+    class SlowMailbox:
+        class ping:
+            @staticmethod
+            def remote():
+                return "ref"
+
+    def get(ref, timeout=None):
+        raise ray.exceptions.GetTimeoutError("busy")
+
+    name = engine._MAILBOX_NAME.format(__import__("os").getpid())
+    monkeypatch.setattr(engine.ray, "remote", lambda cls: FakeActorClass())
+    monkeypatch.setattr(engine.ray, "get", get)
+    monkeypatch.setattr(engine.ObjectStoreCheckpointEngine, "_mailboxes", {name: SlowMailbox()})
+    engine.ObjectStoreCheckpointEngine.build_topology(1, 1, [{}] * 2)
+    assert created == [] and isinstance(engine.ObjectStoreCheckpointEngine._mailboxes[name], SlowMailbox)
+
+    def gone(ref, timeout=None):
+        raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(engine.ray, "get", gone)
+    engine.ObjectStoreCheckpointEngine.build_topology(1, 1, [{}] * 2)
+    assert created == [{"name": name, "num_cpus": 0, "get_if_exists": True}]
+    assert engine.ObjectStoreCheckpointEngine._mailboxes[name] == "mailbox1"

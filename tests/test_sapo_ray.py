@@ -126,6 +126,10 @@ def test_remote_sapo_pads_odd_batches_with_zero_weight_rows():
     assert sent.batch["response_mask"][3].sum() == 0 and sent.batch["responses"][3].sum() == T  # copied, weightless
     assert unpack_call(sent)["num_turns"] == K
     assert readouts["row"].tolist() == [0.0, 1.0, 2.0] and set(readouts) == {"turn_mask", "row"}
+    # without num_turns, K comes from the whole batch (a rank's shard may hold fewer turns)
+    last_turn = {**batch, "token_turn_index": torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]])}
+    remote.readouts(last_turn)
+    assert unpack_call(group.sent["readouts"])["num_turns"] == 2
 
     targets = {"turn_mask": torch.ones(bs, K), "token_advantages": torch.full((bs, T), 2.0)}
     metrics = remote.update(batch, turns, targets, clip_eps=0.1, c_v=0.7, kl_coef=0.0)

@@ -401,6 +401,9 @@ def test_update_changes_weights_and_lowers_the_joint_loss(tiny_dir, tokenizer, r
     assert second["sapo/kl"] > 0
     # the reference policy stays frozen
     assert all(not p.requires_grad for p in role.ref_model.parameters())
+    # turn tensors of another batch: refused before the readouts are read
+    with pytest.raises(ValueError, match="turn tensors have 1 rows, the batch 2"):
+        sapo_targets_of(role, batch, turn_tensors(trajs[:1]))
     # turn tensors of another (bs, K) than the targets': refused before any forward or step
     weights = role.export_weights()
     with pytest.raises(ValueError, match="disagree on"):

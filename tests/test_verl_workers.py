@@ -21,7 +21,8 @@ import torch
 
 import ray  # noqa: E402  (a hard dependency: a broken Ray must fail, not skip)
 
-from async_rl.driver.batch import collate  # noqa: E402
+from async_rl.algos.metrics import MISMATCH_METRIC_KEYS  # noqa: E402
+from async_rl.driver.batch import collate, mark_current_version  # noqa: E402
 from async_rl.driver.trajectory import Segment, Trajectory  # noqa: E402
 from async_rl.engine.base import OptimizerConfig  # noqa: E402
 from async_rl.models.loading import load_causal_lm  # noqa: E402
@@ -151,12 +152,15 @@ def test_two_actor_ranks_match_single_process_update(disagg, tiny_dir):
 
     assert torch.allclose(remote.log_probs(batch), local.log_probs(batch), atol=1e-5)
 
+    mark_current_version(batch, 0)  # every token at the trainer's version: the engine-vs-trainer metrics are logged
     remote_metrics = remote.update(batch, advantages, "vanilla")
     local_metrics = local.update(batch, advantages, "vanilla")
     after_remote, after_local = remote.export_weights(), local.export_weights()
     assert max_diff(after_local, before) > 5e-4  # the step moved the weights: the comparison has teeth
     assert max_diff(after_remote, after_local) < 1e-5
-    for key in ("actor/pg_loss", "actor/grad_norm"):
+    # the mismatch metrics are built from all-reduced sums: summing them over the ranks again would double them
+    assert local_metrics["rollout/mismatch_tokens"] == float(batch["response_mask"].sum()) > 0
+    for key in ("actor/pg_loss", "actor/grad_norm", *MISMATCH_METRIC_KEYS):
         assert remote_metrics[key] == pytest.approx(local_metrics[key], abs=1e-5), key
 
 
