@@ -18,7 +18,7 @@ def test_manager_settings_are_checked():
     from async_rl.rollout.settings import ReplicaSettings
 
     assert ReplicaSettings.from_config({"weight_sync": "checkpoint_manager", "checkpoint_backend": "nccl"})
-    with pytest.raises(ValueError, match="rollout.weight_sync='rsync'; valid choices: pool, checkpoint_manager"):
+    with pytest.raises(ValueError, match="rollout.weight_sync='rsync': must be one of pool, checkpoint_manager"):
         ReplicaSettings.from_config({"weight_sync": "rsync"})
     with pytest.raises(ValueError, match="checkpoint_backend=nccl: the pool's own update moves weights through the "
                                          "Ray object store; set rollout.weight_sync=checkpoint_manager"):

@@ -246,7 +246,7 @@ def test_every_task_env_registers_its_facts_and_the_entry_points_read_them():
     from async_rl.envs.facts import EnvFacts, env_facts, env_names_with_facts, register_env_facts
     from async_rl.eval import load_sets, make_env_factory
     from async_rl.train import env_kwargs, make_tasks
-    from async_rl.validation import TASK_ENVS
+    from async_rl.envs.settings import TASK_ENVS
 
     assert env_names_with_facts() == sorted(TASK_ENVS)
     assert env_facts("webshop").eval_split == "test" and env_facts("alfworld").multi_turn

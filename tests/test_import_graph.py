@@ -94,7 +94,8 @@ LAYERS: list[set[str]] = [
     {"verl_plugin"},  # registers algos' functions (and, lazily, the hf rollout replica) in verl's registries
     {"workers"},
     {"driver"},
-    {"tracking", "run_summary", "plots", "eval", "train", "cli_config", "run_dir", "run_log", "assemble", "progress"},
+    {"tracking", "run_summary", "plots", "eval", "train", "cli_config", "run_dir", "run_log", "assemble", "progress",
+     "settings"},
 ]
 
 

@@ -65,13 +65,13 @@ def test_episode_key_and_settings_validation():
 
     assert episode_key("p3/r1/turn2") == episode_key("p3/r1/turn0") == "p3/r1"
     assert episode_key("free-form") == "free-form"
-    for bad, message in [({"engine": "tgi"}, "rollout.engine='tgi'"), ({"replicas": 0}, "rollout.replicas must"),
+    for bad, message in [({"engine": "tgi"}, "rollout.engine='tgi'"), ({"replicas": 0}, "rollout.replicas=0: must be an integer >= 1"),
                          ({"mode": "hybrid", "engine": "sglang"}, "rollout.mode=hybrid runs the hf or vllm engine"),
                          ({"on_replica_failure": "retry"}, "continue, stop"),
                          ({"chunk_tokens": 0}, "chunk_tokens"), ({"health_timeout_s": 0}, "health_timeout_s")]:
         with pytest.raises(ValueError, match=message):
             ReplicaSettings.from_config(bad)
-    with pytest.raises(ValueError, match="rollout.replica is not a rollout setting"):
+    with pytest.raises(ValueError, match=r"unknown ReplicaSettings keys \['replica'\] under rollout; valid keys"):
         ReplicaSettings.from_config({"replica": 2})
     assert ReplicaSettings.from_config(None) == ReplicaSettings()
 
@@ -382,14 +382,14 @@ def test_live_groups_whose_oldest_token_exceeds_the_cap_are_aborted_and_counted(
 
 
 @pytest.mark.parametrize("override,message", [
-    ("rollout.engine=tgi", "rollout.engine='tgi'; valid choices: hf, vllm, sglang"),
-    ("rollout.replicas=0", "rollout.replicas must be >= 1, got 0"),
+    ("rollout.engine=tgi", "rollout.engine='tgi': must be one of hf, vllm, sglang"),
+    ("rollout.replicas=0", "rollout.replicas=0: must be an integer >= 1"),
     ("rollout.mode=hybrid rollout.engine=sglang", "verl's sglang hybrid engine needs verl's own ActorRolloutRefWorker"),
     ("rollout.mode=hybrid rollout.engine=vllm rollout.vllm_kv_on_update=stale",
      "vllm_kv_on_update=stale needs rollout.mode=standalone"),
     ("rollout.mode=hybrid rollout.replicas=2", "rollout.replicas=2 but trainer.train_workers=1; set them equal"),
-    ("rollout.on_replica_failure=retry", "valid choices: continue, stop"),
-    ("+rollout.replica=2", "rollout.replica is not a rollout setting; valid keys: engine, replicas"),
+    ("rollout.on_replica_failure=retry", "must be one of continue, stop"),
+    ("+rollout.replica=2", r"unknown ReplicaSettings keys \['replica'\] under rollout; valid keys"),
     ("rollout.replicas=2 rollout.replica_resources=[{rollout_node:1}]",
      r"give one mapping \(or null\) per replica, 2 in all"),
     ("rollout.replica_resources=[{rollout_node:0}]", r"replica_resources\[0\].*amounts > 0, or null"),

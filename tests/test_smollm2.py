@@ -123,7 +123,8 @@ def test_unknown_packaged_name_lists_the_valid_ones():
 
 
 def test_config_rules_of_model_packaged():
-    from async_rl.validation import ConfigError, check_model
+    from async_rl.settings import check_model
+    from async_rl.validation import ConfigError
 
     base = {"dir": "d", "build_tiny": False, "attn_implementation": "sdpa",
             "sft": {"enabled": False, "noise": None, "steps": None}}

@@ -7,10 +7,10 @@ override: ``algorithm=li2sao algorithm.gate.t_min=30``. Spec sections are cited 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from async_rl.validation import ConfigError, check_dataclass, dataclass_from_mapping
+from async_rl.validation import ConfigError, check_settings, setting, settings_from_mapping
 
 # No torch here: `python -m async_rl.train` validates the algorithm config before any heavy import, so the
 # defaults the loss code also uses are written here, once (async_rl.algos.dis / .policy import them).
@@ -77,108 +77,102 @@ def plan_for(name: str) -> AlgorithmPlan:
 ALGORITHMS = tuple(ALGORITHM_PLANS)  # the built-in algorithms (register_plan adds more at run time)
 POLICY_LOSSES = ("ppo_clip", "dis", "dis_clip", "vanilla")  # vanilla: verl's clipped loss with dual clip (ablation)
 
-# Allowed range of every numeric field (dotted names for nested configs), checked by validate() together
-# with each field's annotated type. A field not named here gets the range its name implies
-# (async_rl.validation.CONVENTION_RANGES: *_lr > 0, *group_size >= 1, gamma/lambda in [0, 1], clip >= 0, ...);
-# tests/test_config.py fails for a numeric field that has neither.
-ALGORITHM_RANGES = {
-    "train_batch_trajectories": ">= 1",  # B
-    "clip.clip_ratio_low": "[0, 1)",  # 1 - ε_low must stay positive
-    "critic_updates_per_batch": ">= 1",  # K
-    "gae_alpha": "> 0",  # λ = 1 - 1/(αL), clamped to [0, 1] (spec §3)
-    "dis.low": "(0, 1)",  # 1 - ε_l
-    "dis.high": "> 1",  # 1 + ε_h
-    "rank_margin": ">= 0",
-    "gate.beta": "[0, 1)",
-    "gate.eta_e": "<= 1",  # explained variance is at most 1
-    "gate.eta_a": "[0, 1]",  # ranking accuracy is a fraction
-    "gate.patience": ">= 1",
-    "gate.t_min": ">= 0",
-    "gate.t_max": ">= 1",
-    "sapo_tau_v": "> 0",
-    "sapo_r_max": "> 0",
-    "sapo_c_v": ">= 0",
-    "sapo_c_q": ">= 0",
-    "sapo_c_h": ">= 0",
-    "sapo_invalid_penalty": ">= 0",
-    "kl_warn_threshold": ">= 0",
-    "kl_warn_kept_threshold": ">= 0",
-}
-
-
+# Every field below is a setting(): its type, default, allowed range or choices and one-line meaning in one place.
+# async_rl.validation.check_settings derives every single-value check from them; validate() adds the checks that
+# compare fields or read the plan table.
 @dataclass
 class ClipConfig:
-    clip_ratio_low: float = CLIP_LOW  # ε_low of the clipped objective (DAPO, spec §2: 0.2)
-    clip_ratio_high: float = CLIP_HIGH  # ε_high of the clipped objective (DAPO, spec §2: 0.28)
+    clip_ratio_low: float = setting(CLIP_LOW, "ε_low of the clipped objective (DAPO, spec §2: 0.2)",
+                                    range="[0, 1)")  # 1 - ε_low must stay positive
+    clip_ratio_high: float = setting(CLIP_HIGH, "ε_high of the clipped objective (DAPO, spec §2: 0.28)", range=">= 0")
 
 
 @dataclass
 class DISConfig:
-    low: float = DIS_LOW  # 1-ε_l: tokens with ratio at or below get zero weight (spec §3: 0.7)
-    high: float = DIS_HIGH  # 1+ε_h: tokens with ratio at or above get zero weight (spec §3: 6.0)
+    low: float = setting(DIS_LOW, "1-ε_l: tokens with ratio at or below get zero weight (spec §3: 0.7)",
+                         range="(0, 1)")
+    high: float = setting(DIS_HIGH, "1+ε_h: tokens with ratio at or above get zero weight (spec §3: 6.0)",
+                          range="> 1")
 
 
 @dataclass
 class GateConfig:
-    beta: float = 0.9  # β, EMA factor of the readiness statistics (spec §4)
-    eta_e: float = 0.2  # η_e, residual explained-variance threshold (spec §4)
-    eta_a: float = 0.65  # η_a, ranking-accuracy threshold (spec §4)
-    patience: int = 10  # M, consecutive ready steps required (spec §4)
-    t_min: int = 60  # T_min, bootstrap steps before readiness counts (spec §4; coding: 30)
-    t_max: int = 150  # T_max, forced switch step (spec §4; coding: 60)
+    beta: float = setting(0.9, "β, EMA factor of the readiness statistics (spec §4)", range="[0, 1)")
+    eta_e: float = setting(0.2, "η_e, residual explained-variance threshold (spec §4)", range="<= 1")
+    eta_a: float = setting(0.65, "η_a, ranking-accuracy threshold (spec §4)", range="[0, 1]")
+    patience: int = setting(10, "M, consecutive ready steps required (spec §4)", range=">= 1")
+    t_min: int = setting(60, "T_min, bootstrap steps before readiness counts (spec §4; coding: 30)", range=">= 0")
+    t_max: int = setting(150, "T_max, forced switch step (spec §4; coding: 60)", range=">= 1")
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # a registered algorithm (ALGORITHM_PLANS): grpo, lisao, li2sao, ppo, sapo
-    module: Optional[str] = None  # a module of yours, imported before the name is looked up: registers its algorithm
-    train_batch_trajectories: int = 128  # B, trajectories per optimizer batch (spec §1)
-    group_size: int = 8  # n, responses per prompt (GRPO 8, LiSAO 1, Li2SAO bootstrap n_b = 8)
-    gamma: float = 1.0  # γ of GAE (spec §3) and of the Li2SAO bootstrap return Ĝ (spec §4); GRPO reads none
-    actor_lr: float = 1e-6  # actor learning rate
-    entropy_coef: float = 0.0  # entropy bonus: must stay 0 (spec §3: coefficient 0; SAPO's is sapo_c_h)
-    grpo_epsilon: float = 1e-6  # ε in the group advantage denominator (spec §2)
-    clip: ClipConfig = field(default_factory=ClipConfig)
-    overlong_penalty: bool = True  # DAPO soft overlong penalty in the last quarter of the context (spec §2)
+    name: str = setting("grpo", "a registered algorithm (ALGORITHM_PLANS): grpo, lisao, li2sao, ppo, sapo",
+                        non_empty=True)
+    module: Optional[str] = setting(None, "a module of yours, imported before the name is looked up: registers its "
+                                          "algorithm", non_empty=True)
+    train_batch_trajectories: int = setting(128, "B, trajectories per optimizer batch (spec §1)", range=">= 1")
+    group_size: int = setting(8, "n, responses per prompt (GRPO 8, LiSAO 1, Li2SAO bootstrap n_b = 8)", range=">= 1")
+    gamma: float = setting(1.0, "γ of GAE (spec §3) and of the Li2SAO bootstrap return Ĝ (spec §4); GRPO reads none",
+                           range="[0, 1]")
+    actor_lr: float = setting(1e-6, "actor learning rate", range="> 0")
+    entropy_coef: float = setting(0.0, "entropy bonus: must stay 0 (spec §3: coefficient 0; SAPO's is sapo_c_h)",
+                                  range=">= 0")
+    grpo_epsilon: float = setting(1e-6, "ε in the group advantage denominator (spec §2)", range="> 0")
+    clip: ClipConfig = setting(ClipConfig(), "the clipped objective's ε_low, ε_high (spec §2)")
+    overlong_penalty: bool = setting(True, "DAPO soft overlong penalty in the last quarter of the context (spec §2)")
     # critic (LiSAO, Li2SAO, PPO)
-    use_critic: bool = False  # a separate critic model is trained
-    critic_lr: float = 5e-6  # critic learning rate (spec §3)
-    critic_updates_per_batch: int = 2  # K critic updates per batch (spec §3)
-    critic_warmup_steps: int = 0  # steps with the actor frozen while the critic trains (LiSAO: 10)
-    freeze_critic_attention: bool = True  # freeze `self_attn` parameters of the critic (spec §3)
-    value_clip: float = 0.2  # ε_v of the clipped residual loss, Eq. 10 (Li2SAO bootstrap, spec §4)
-    clip_absolute_value_loss: bool = False  # ablation: clip the absolute-return critic loss too (spec §3 uses Eq. 5, unclipped)
-    gae_alpha: float = 1.5  # α of the length-adaptive λ = 1 - 1/(αL) (spec §3)
-    gae_lambda: Optional[float] = None  # fixed λ instead of length-adaptive (PPO); None = adaptive
-    whiten_advantages: bool = True  # whiten GAE advantages across the data-parallel group (spec §3)
-    policy_loss: str = "ppo_clip"  # verl policy-loss name: ppo_clip (Eq. 1), dis, dis_clip, vanilla (ablation: verl's, adds dual clip c=3); Li2SAO uses dis_clip then dis, SAPO its own
-    loss_agg_mode: str = "seq-mean-token-mean"  # Eq. 1: mean over trajectories of each one's token mean; token-mean = ablation
-    dis: DISConfig = field(default_factory=DISConfig)
-    kl_warn_threshold: float = 0.1  # WARNING + actor/kl_warning when actor/ppo_kl, KL(π_{r,v_t} || π_θ) of ρ (spec §3), exceeds this; 0 = off
-    kl_warn_kept_threshold: float = 0.02  # dis/dis_clip: warn only if actor/dis_kept_kl (KL on the tokens inside the DIS band) also exceeds this; 0 = actor/ppo_kl alone
+    use_critic: bool = setting(False, "a separate critic model is trained")
+    critic_lr: float = setting(5e-6, "critic learning rate (spec §3)", range="> 0")
+    critic_updates_per_batch: int = setting(2, "K critic updates per batch (spec §3)", range=">= 1")
+    critic_warmup_steps: int = setting(0, "steps with the actor frozen while the critic trains (LiSAO: 10)",
+                                       range=">= 0")
+    freeze_critic_attention: bool = setting(True, "freeze `self_attn` parameters of the critic (spec §3)")
+    value_clip: float = setting(0.2, "ε_v of the clipped residual loss, Eq. 10 (Li2SAO bootstrap, spec §4)",
+                                range=">= 0")
+    clip_absolute_value_loss: bool = setting(False, "ablation: clip the absolute-return critic loss too (spec §3 "
+                                                    "uses Eq. 5, unclipped)")
+    gae_alpha: float = setting(1.5, "α of the length-adaptive λ = 1 - 1/(αL), clamped to [0, 1] (spec §3)",
+                               range="> 0")
+    gae_lambda: Optional[float] = setting(None, "fixed λ instead of length-adaptive (PPO); null = adaptive",
+                                          range="[0, 1]")
+    whiten_advantages: bool = setting(True, "whiten GAE advantages across the data-parallel group (spec §3)")
+    policy_loss: str = setting("ppo_clip", "verl policy-loss name: ppo_clip (Eq. 1), dis, dis_clip, vanilla "
+                                           "(ablation: verl's, adds dual clip c=3); Li2SAO uses dis_clip then dis, "
+                                           "SAPO its own", choices=POLICY_LOSSES)
+    loss_agg_mode: str = setting("seq-mean-token-mean", "Eq. 1: mean over trajectories of each one's token mean; "
+                                                        "token-mean = ablation", choices=LOSS_AGG_MODES)
+    dis: DISConfig = setting(DISConfig(), "the DIS interval (spec §3)")
+    kl_warn_threshold: float = setting(0.1, "WARNING + actor/kl_warning when actor/ppo_kl, KL(π_{r,v_t} || π_θ) of "
+                                            "ρ (spec §3), exceeds this; 0 = off", range=">= 0")
+    kl_warn_kept_threshold: float = setting(0.02, "dis/dis_clip: warn only if actor/dis_kept_kl (KL on the tokens "
+                                                  "inside the DIS band) also exceeds this; 0 = actor/ppo_kl alone",
+                                            range=">= 0")
     # Li2SAO
-    single_group_size: int = 1  # n_s after the switch (spec §4)
-    rank_margin: float = 0.1  # m of the terminal ranking loss (spec §4)
-    rank_coef: float = 0.1  # α weight of the ranking loss (spec §4)
-    gate: GateConfig = field(default_factory=GateConfig)
+    single_group_size: int = setting(1, "n_s after the switch (spec §4)", range=">= 1")
+    rank_margin: float = setting(0.1, "m of the terminal ranking loss (spec §4)", range=">= 0")
+    rank_coef: float = setting(0.1, "α weight of the ranking loss (spec §4)", range=">= 0")
+    gate: GateConfig = setting(GateConfig(), "Li2SAO's readiness gate (spec §4)")
     # SAPO (spec §5; values the paper does not give are our documented defaults)
-    sapo_tau_v: float = 5.0  # τ_v, logit-difference temperature of the readout
-    sapo_r_max: float = 1.0  # R_max, value range of the readout
-    sapo_lambda: float = 0.95  # λ of turn-level GAE
-    sapo_clip_v: float = 0.2  # ε_V of the V loss (normalised space)
-    sapo_clip_q: float = 0.2  # ε_Q of the Q loss (normalised space)
-    sapo_c_v: float = 0.5  # c_V weight of the V loss
-    sapo_c_q: float = 0.5  # c_Q weight of the Q loss
-    sapo_c_h: float = 0.0  # c_H entropy weight
-    sapo_kl_coef: float = 0.01  # β KL to the reference policy (paper: 0.01)
-    sapo_invalid_penalty: float = 0.1  # c_inv invalid-action penalty on turn advantages
-    sapo_reserved_tokens: list = field(default_factory=lambda: ["<|value_plus|>", "<|value_minus|>"])  # w+, w-
+    sapo_tau_v: float = setting(5.0, "τ_v, logit-difference temperature of the readout", range="> 0")
+    sapo_r_max: float = setting(1.0, "R_max, value range of the readout", range="> 0")
+    sapo_lambda: float = setting(0.95, "λ of turn-level GAE", range="[0, 1]")
+    sapo_clip_v: float = setting(0.2, "ε_V of the V loss (normalised space)", range=">= 0")
+    sapo_clip_q: float = setting(0.2, "ε_Q of the Q loss (normalised space)", range=">= 0")
+    sapo_c_v: float = setting(0.5, "c_V weight of the V loss", range=">= 0")
+    sapo_c_q: float = setting(0.5, "c_Q weight of the Q loss", range=">= 0")
+    sapo_c_h: float = setting(0.0, "c_H entropy weight", range=">= 0")
+    sapo_kl_coef: float = setting(0.01, "β KL to the reference policy (paper: 0.01)", range=">= 0")
+    sapo_invalid_penalty: float = setting(0.1, "c_inv invalid-action penalty on turn advantages", range=">= 0")
+    sapo_reserved_tokens: list[str] = setting(["<|value_plus|>", "<|value_minus|>"],
+                                              "w+, w-: the two reserved value-readout tokens (docs/sapo.md)",
+                                              non_empty=True)
 
     def validate(self) -> None:
         """Fail before any worker starts, naming the problem and the valid choices."""
-        # every field's type (from its annotation) and range (ALGORITHM_RANGES) first: the checks below
-        # compare values and would raise a TypeError on a string such as actor_lr='abc'
-        check_dataclass(self, "algorithm", ALGORITHM_RANGES)
+        # every field's type, range and choices (its setting()) first: the checks below compare values and
+        # would raise a TypeError on a string such as actor_lr='abc'
+        check_settings(self, "algorithm")
         if self.gate.t_max < self.gate.t_min:
             raise ConfigError(f"algorithm.gate.t_max={self.gate.t_max}: must be >= algorithm.gate.t_min={self.gate.t_min}")
         if len(self.sapo_reserved_tokens) != 2 or len(set(self.sapo_reserved_tokens)) != 2 or \
@@ -186,8 +180,6 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.sapo_reserved_tokens={self.sapo_reserved_tokens}: must be two distinct "
                               "non-empty token strings (w+, w-)")
         plan = plan_for(self.name)  # an unknown name lists the valid ones
-        if self.group_size < 1 or self.train_batch_trajectories < 1:
-            raise ValueError("group_size and train_batch_trajectories must be >= 1")
         if self.train_batch_trajectories % self.group_size:
             raise ValueError(
                 f"train_batch_trajectories (B={self.train_batch_trajectories}) must be divisible by "
@@ -197,13 +189,6 @@ class AlgorithmConfig:
             raise ValueError(f"{self.name} needs group_size >= 2 (paper: 8)")
         if plan.trains_critic and not self.use_critic:
             raise ValueError(f"{self.name} trains a critic: set use_critic=true")
-        if not (0 < self.dis.low < 1 < self.dis.high):
-            raise ValueError(f"DIS interval must contain 1, got ({self.dis.low}, {self.dis.high})")
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"algorithm.policy_loss={self.policy_loss!r}; valid choices: {', '.join(POLICY_LOSSES)}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"algorithm.loss_agg_mode={self.loss_agg_mode!r}; valid choices: "
-                             f"{', '.join(LOSS_AGG_MODES)}")
         if not plan.trains_critic and self.use_critic:
             raise ConfigError(f"algorithm.use_critic=true: {self.name} trains no separate critic; set "
                               "algorithm.use_critic=false")
@@ -268,6 +253,6 @@ def unread_keys(cfg: "AlgorithmConfig") -> dict[str, tuple[Any, str]]:
 def algorithm_config_from_dict(data: dict[str, Any]) -> AlgorithmConfig:
     """Build an :class:`AlgorithmConfig` from a plain dict (e.g. a resolved Hydra node); unknown keys, wrong
     types and out-of-range values fail with :class:`~async_rl.validation.ConfigError`."""
-    cfg = dataclass_from_mapping(AlgorithmConfig, dict(data), "algorithm")
+    cfg = settings_from_mapping(AlgorithmConfig, dict(data), "algorithm")
     cfg.validate()
     return cfg

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from async_rl.progress import Phase, quiet_library_output
+from async_rl.validation import check_settings, describe_setting, setting, settings_fields
 
 __all__ = ["DEFAULT_KS", "EvalConfig", "EvalSetupError", "choose_model", "evaluate_pass_at_k", "format_table", "main",
            "parse_args", "percent", "run_eval"]
@@ -144,50 +145,46 @@ def format_table(sets: Mapping[str, Mapping[str, Any]], mean: Mapping[str, Any] 
 
 @dataclass
 class EvalConfig:
-    """Evaluation options (``key=value`` on the command line)."""
+    """Evaluation options (``key=value`` on the command line); every field a setting (type, default, range, meaning),
+    checked by :func:`async_rl.validation.check_settings`."""
 
-    model_dir: Optional[str] = field(default=None, metadata={
-        "help": "local Hugging Face checkpoint or run directory; null: the latest exported model "
-                "(<runs_dir>/last_run.json)"})
-    env: Optional[str] = field(default=None, metadata={
-        "help": "env name (conf/env/<env>.yaml supplies defaults); null: the env the model was trained on, else math"})
-    eval_sets: list[Any] = field(default_factory=list, metadata={
-        "help": "files / dirs / {path, name, year, ...} mappings, or toy_keys / toy_echo / retool_toy; "
-                "empty = env.eval_sets (toy envs: the env's own toy set)"})
-    n_samples: int = field(default=16, metadata={"help": "samples per problem (n)"})
-    ks: list[int] = field(default_factory=lambda: list(DEFAULT_KS), metadata={"help": "pass@k values (k <= n)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (0 = greedy)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
-    max_new_tokens: Optional[int] = field(default=None, metadata={"help": "tokens per model turn (null: env's)"})
-    max_turns: Optional[int] = field(default=None, metadata={"help": "turns per episode (null: env's)"})
-    max_response_tokens: Optional[int] = field(default=None, metadata={
-        "help": "model + observation tokens per episode (null: env's, else max_new_tokens * max_turns)"})
-    limit: Optional[int] = field(default=None, metadata={
-        "help": "first N problems of each set (null: all; toy sets: 32)"})
-    seed: int = field(default=0, metadata={"help": "sampling seed (per-turn seeds derive from it)"})
-    batch_size: int = field(default=64, metadata={"help": "episodes generated together"})
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
-    dtype: Optional[str] = field(default=None, metadata={"help": "model dtype (null: the checkpoint's)"})
-    torch_threads: int = field(default=0, metadata={"help": "torch.set_num_threads on CPU (0: leave as is)"})
-    system_prompt: Optional[str] = field(default=None, metadata={"help": "system message for every prompt"})
-    output_dir: Optional[str] = field(default=None, metadata={
-        "help": "where pass_at_k.json / samples.jsonl / eval.png go; null: <run dir>/eval for a model a run "
-                "exported, else outputs/eval"})
-    save_samples: bool = field(default=True, metadata={"help": "write samples.jsonl (every response)"})
-    plot: bool = field(default=True, metadata={"help": "write eval.png (pass@k per set, success per category)"})
-    runs_dir: str = field(default="outputs", metadata={
-        "help": "training output root holding last_run.json (trainer.output_dir)"})
-    fallback_to_mini_sets: bool = field(default=True, metadata={
-        "help": "when the env's data is missing, evaluate the mini sets shipped in the repo (and say so); "
-                "off when you name the data (eval_sets, env.eval_sets, env.data_dir, env.eval_split)"})
-    wandb: bool = field(default=False, metadata={"help": "also log pass@k tables to wandb (offline unless WANDB_MODE=online)"})
+    model_dir: Optional[str] = setting(None, "local Hugging Face checkpoint or run directory; null: the latest "
+                                             "exported model (<runs_dir>/last_run.json)")
+    env: Optional[str] = setting(None, "env name (conf/env/<env>.yaml supplies defaults); null: the env the model "
+                                       "was trained on, else math")
+    eval_sets: list[Any] = setting([], "files / dirs / {path, name, year, ...} mappings, or toy_keys / toy_echo / "
+                                       "retool_toy; empty = env.eval_sets (toy envs: the env's own toy set)")
+    n_samples: int = setting(16, "samples per problem (n)", range=">= 1")
+    ks: list[int] = setting(list(DEFAULT_KS), "pass@k values (k <= n)", non_empty=True)
+    temperature: float = setting(1.0, "sampling temperature (0 = greedy)", range=">= 0")
+    top_p: float = setting(1.0, "nucleus sampling", range="(0, 1]")
+    max_new_tokens: Optional[int] = setting(None, "tokens per model turn (null: env's)", range=">= 1")
+    max_turns: Optional[int] = setting(None, "turns per episode (null: env's)", range=">= 1")
+    max_response_tokens: Optional[int] = setting(None, "model + observation tokens per episode (null: env's, else "
+                                                       "max_new_tokens * max_turns)", range=">= 1")
+    limit: Optional[int] = setting(None, "first N problems of each set (null: all; toy sets: 32)", range=">= 1")
+    seed: int = setting(0, "sampling seed (per-turn seeds derive from it)", range=f"[0, {2 ** 32 - 1}]")
+    batch_size: int = setting(64, "episodes generated together", range=">= 1")
+    device: str = setting("cpu", "cpu or cuda", choices=("cpu", "cuda"))
+    dtype: Optional[str] = setting(None, "model dtype (null: the checkpoint's)")
+    torch_threads: int = setting(0, "torch.set_num_threads on CPU (0: leave as is)", range=">= 0")
+    system_prompt: Optional[str] = setting(None, "system message for every prompt")
+    output_dir: Optional[str] = setting(None, "where pass_at_k.json / samples.jsonl / eval.png go; null: <run "
+                                              "dir>/eval for a model a run exported, else outputs/eval")
+    save_samples: bool = setting(True, "write samples.jsonl (every response)")
+    plot: bool = setting(True, "write eval.png (pass@k per set, success per category)")
+    runs_dir: str = setting("outputs", "training output root holding last_run.json (trainer.output_dir)",
+                            non_empty=True)
+    fallback_to_mini_sets: bool = setting(True, "when the env's data is missing, evaluate the mini sets shipped in "
+                                                "the repo (and say so); off when you name the data (eval_sets, "
+                                                "env.eval_sets, env.data_dir, env.eval_split)")
+    wandb: bool = setting(False, "also log pass@k tables to wandb (offline unless WANDB_MODE=online)")
 
 
 def usage() -> str:
     lines = [__doc__.strip().splitlines()[0], "", "usage: python -m async_rl.eval key=value ...", ""]
-    for f in dataclasses.fields(EvalConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  {f.name:<21} {f.metadata.get('help', '')} [default: {default!r}]")
+    for name, f, rule in settings_fields(EvalConfig):
+        lines.append(f"  {name:<21} {describe_setting(f, rule)}")
     lines.append("  env.KEY=VALUE         override a key of conf/env/<env>.yaml")
     return "\n".join(lines)
 
@@ -374,18 +371,13 @@ def _validate(cfg) -> None:
             raise ValueError(f"model_dir is not set and {pointer} points at {stale}, which holds no model any "
                              f"more: {fix}")
         raise ValueError(f"model_dir is not set and no trained model was found ({pointer} does not exist): {fix}")
-    if cfg.n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {cfg.n_samples}")
-    if not cfg.ks or min(cfg.ks) < 1:
-        raise ValueError(f"ks must be a non-empty list of k >= 1, got {list(cfg.ks)}")
+    from omegaconf import OmegaConf
+
+    check_settings(OmegaConf.to_object(cfg) if OmegaConf.is_config(cfg) else cfg, "")  # every field's type and range
+    if min(cfg.ks) < 1:
+        raise ValueError(f"ks={list(cfg.ks)}: every k must be >= 1")
     if min(cfg.ks) > cfg.n_samples:
         raise ValueError(f"every k in ks={list(cfg.ks)} exceeds n_samples={cfg.n_samples}")
-    if cfg.batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {cfg.batch_size}")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise ValueError(f"limit must be >= 1 or null, got {cfg.limit}")
-    if cfg.device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda, got {cfg.device!r}")
 
 
 # ==================================================================================================

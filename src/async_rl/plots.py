@@ -23,6 +23,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from async_rl.validation import add_settings_arguments, setting, settings_from_arguments
+
 EMA_SPAN = 10  # span of the EMA used in every figure
 #: the legend of a smoothed curve: says what it averages (a one-sided EMA lags a change by ~span/2 steps)
 EMA_LABEL = f"trailing EMA (span {EMA_SPAN}, past steps only)"
@@ -719,13 +721,20 @@ def last_run_dir(output_root: str | Path = "outputs") -> Path:
     return run_dir
 
 
+@dataclass
+class PlotOptions:
+    """``python -m async_rl.plots`` options, each a setting (type, default, choices, meaning)."""
+
+    runs: list[str] = setting([], "run directories (outputs/<run_name>); none = the last run")
+    x: str = setting("step", "x axis of the comparison figure: trainer steps or simulated clock ticks",
+                     choices=tuple(sorted(X_KEYS)))
+    outputs: str = setting("outputs", "training output root holding last_run.json", non_empty=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="*", help="run directories (outputs/<run_name>); none = the last run")
-    parser.add_argument("--x", choices=sorted(X_KEYS), default="step",
-                        help="x axis of the comparison figure: trainer steps or simulated clock ticks")
-    parser.add_argument("--outputs", default="outputs", help="training output root holding last_run.json")
-    args = parser.parse_args(argv)
+    add_settings_arguments(parser, PlotOptions, positional=("runs",))
+    args = settings_from_arguments(PlotOptions, parser.parse_args(argv))
     runs = list(args.runs)
     if not runs:
         try:

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,8 +34,8 @@ from async_rl.driver.settings import DriverConfig
 from async_rl.progress import Phase, ProgressLines, quiet_library_output  # noqa: F401 - train.ProgressLines, as before
 from async_rl.rollout.settings import ReplicaSettings
 from async_rl.run_dir import RunLock, check_run_dir, clear_outputs
-from async_rl.validation import (SEED_RULE, TASK_ENVS, ConfigError, check_env, check_model, check_trainer,  # noqa: F401
-                                 check_value, first_line)
+from async_rl.settings import SEED_RULE, TrainerSettings, check_model, check_trainer
+from async_rl.validation import ConfigError, check_value, fill_from, first_line, settings_as_dict
 
 
 def _resolve_device(name: str) -> str:
@@ -323,18 +323,21 @@ def _install_signal_handlers(handler) -> dict:
 
 @dataclass
 class CheckedRun:
-    """What :func:`check_run_config` established: the built configs and the device to run on."""
+    """What :func:`check_run_config` established: the checked settings of every group and the device to run on."""
 
     algo: AlgorithmConfig
     driver_cfg: DriverConfig
-    device: str
+    device: str = "cpu"
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    rollout: ReplicaSettings = field(default_factory=ReplicaSettings)
 
 
-def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
-    """Type- and range-check every config value (``async_rl.validation``) and their combinations, loading and
-    writing nothing and importing no heavy module (torch, Ray, verl, transformers): the CLI runs it before those
-    load. A bad value raises :class:`~async_rl.validation.ConfigError` with one line naming the key, the value
-    and what is allowed. Normalised values (1e3 given for an int is 1000) are stored back into ``cfg``."""
+def check_config(cfg: DictConfig) -> CheckedRun:
+    """Type- and range-check every config value (each group's settings class, :mod:`async_rl.validation`) and their
+    combinations, loading and writing nothing and importing no heavy module (torch, Ray, verl, transformers): the
+    CLI runs it before those load. A bad value raises :class:`~async_rl.validation.ConfigError` with one line naming
+    the key, the value and what is allowed. Normalised values (1e3 given for an int is 1000) are stored back into
+    ``cfg``. Returns the checked settings (``device`` not yet resolved: :func:`check_run_config` does)."""
     try:
         groups = {name: OmegaConf.to_container(cfg[name], resolve=True) for name in ("algorithm", "env", "model",
                                                                                       "trainer")}
@@ -347,12 +350,13 @@ def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
     import_algorithm_module(groups["algorithm"].get("module"))
     algo = algorithm_config_from_dict(groups["algorithm"])
     trainer = check_trainer(groups["trainer"])
-    driver_cfg = DriverConfig.from_dict(trainer.get("driver", {}))
-    driver_cfg.validate(algo.train_batch_trajectories, algo.group_size)
-    checked = {"env": check_env(groups["env"]), "model": check_model(groups["model"]), "trainer": trainer}
+    trainer.driver.validate(algo.train_batch_trajectories, algo.group_size)
     import async_rl.envs  # noqa: F401 - registers the built-in envs and their facts
     from async_rl.envs.facts import env_facts
+    from async_rl.envs.settings import check_env
 
+    trainer_values = {key: value for key, value in settings_as_dict(trainer).items() if key in groups["trainer"]}
+    checked = {"env": check_env(groups["env"]), "model": check_model(groups["model"]), "trainer": trainer_values}
     # an env of yours (env.module) is imported, and checked, when the run starts: nothing of it is imported here
     env_check = None if checked["env"].get("module") else env_facts(checked["env"]["name"]).check_config
     if env_check is not None:  # checks that need the env's own package (reasoning-gym's dataset names)
@@ -361,7 +365,7 @@ def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
         except (ValueError, ImportError) as err:
             raise ConfigError(str(err)) from err
     # the rest of the run reads cfg: store the normalised values back (1e3 given for an int is 1000, an
-    # int given for a float becomes a float); trainer.driver is read from driver_cfg
+    # int given for a float becomes a float); trainer.driver is read from the checked settings
     given = {f"{g}.{k}": v for g in checked for k, v in groups[g].items() if k != "driver"}
     given["seed"] = seed
     normalised = {f"{g}.{k}": v for g in checked for k, v in checked[g].items() if k != "driver"}
@@ -371,14 +375,14 @@ def check_config(cfg: DictConfig) -> tuple[AlgorithmConfig, DriverConfig]:
             OmegaConf.update(cfg, key, value, merge=False)
     try:  # rollout replicas (conf/rollout/default.yaml), used by trainer.workers=ray
         rollout = ReplicaSettings.from_config(cfg.get("rollout"))
-        if trainer.get("workers") == "ray":
-            rollout.check_placement(int(trainer.get("train_workers", 1)))
+        if trainer.workers == "ray":
+            rollout.check_placement(trainer.train_workers)
     except (ValueError, TypeError, RuntimeError) as err:
         raise ConfigError(str(err)) from err
     # one run per folder: another run's outputs (metrics, checkpoints, model, eval, plots) are never mixed
     # with this one's unless it resumes that run or replaces it (async_rl.run_dir)
-    check_run_dir(run_dir_of(cfg), bool(trainer.get("resume", False)), bool(trainer.get("overwrite", False)))
-    return algo, driver_cfg
+    check_run_dir(run_dir_of(cfg), trainer.resume, trainer.overwrite)
+    return CheckedRun(algo, trainer.driver, trainer=trainer, rollout=rollout)
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -406,10 +410,10 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
     :class:`~async_rl.validation.ConfigError` with one line naming the key, the value and what is allowed
     (``FileNotFoundError`` / ``RuntimeError`` from :func:`check_machine`); the CLI prints it as
     ``error: <message>`` and exits with status 2."""
-    algo, driver_cfg = check_config(cfg)
-    trainer = cfg.trainer
+    checked = check_config(cfg)
+    trainer = checked.trainer
     check_machine(cfg)
-    device = _resolve_device(trainer.get("device", "auto"))
+    device = _resolve_device(trainer.device)
     if device == "cuda":
         import torch
 
@@ -419,10 +423,11 @@ def check_run_config(cfg: DictConfig) -> CheckedRun:
     from async_rl.validation import check_attn_implementation
 
     try:  # flash_attention_2 without flash-attn, a GPU or bf16: refused before any model is built
-        check_attn_implementation(cfg.model.get("attn_implementation", "sdpa"), device, trainer.get("precision", "fp32"))
+        check_attn_implementation(cfg.model.get("attn_implementation", "sdpa"), device, trainer.precision)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return CheckedRun(algo, driver_cfg, device)
+    checked.device = device
+    return checked
 
 
 def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
@@ -442,6 +447,7 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     from async_rl.assemble import RunSpec, build_concurrent_driver, build_deterministic_driver
     from async_rl.driver.episode import EpisodeLimits
     from async_rl.engine.settings import TrainingSettings
+    from async_rl.envs.settings import env_settings
     from async_rl.plots import plot_run
     from async_rl.tracking import RunLogger
 
@@ -451,20 +457,14 @@ def run(cfg: DictConfig, checked: CheckedRun | None = None) -> dict[str, Any]:
     warm_started = time.perf_counter()
     model_path = prepare_model(cfg.model, cfg.env.name, cfg.seed, env_cfg=cfg.env, tasks=tasks, for_vllm_cpu=vllm_cpu)
     warm_start_s = time.perf_counter() - warm_started  # building the tiny model and its SFT warm start (0: cached)
-    spec = RunSpec(
-        model_path=model_path, env_name=cfg.env.name, env_kwargs=env_kwargs(cfg.env),
-        tasks=tasks, seed=cfg.seed,
-        temperature=cfg.trainer.temperature, top_p=cfg.trainer.top_p, max_new_tokens=cfg.env.max_new_tokens,
-        limits=EpisodeLimits(cfg.env.max_turns, cfg.env.max_response_tokens, cfg.env.env_timeout_s),
-        stop_strings=tuple(cfg.env.get("stop_strings") or ()),
-        max_grad_norm=cfg.trainer.max_grad_norm, micro_batch_size=cfg.trainer.micro_batch_size, device=device,
-        training=TrainingSettings(precision=cfg.trainer.precision,
-                                  max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
-                                  activation_checkpointing=cfg.trainer.activation_checkpointing,
-                                  attn_implementation=cfg.model.get("attn_implementation", "sdpa"), device=device).validate(),
-        workers=cfg.trainer.workers, train_workers=cfg.trainer.train_workers,
-        rollout=ReplicaSettings.from_config(cfg.get("rollout")),
-    )
+    # RunSpec and its parts take their fields from the checked settings of the same name (validation.fill_from)
+    env = env_settings(OmegaConf.to_container(cfg.env, resolve=True))
+    spec = fill_from(
+        RunSpec, checked.trainer, env, stop_strings=tuple(env.stop_strings or ()),
+        model_path=model_path, env_name=env.name, env_kwargs=env_kwargs(cfg.env), tasks=tasks, seed=cfg.seed,
+        device=device, rollout=checked.rollout, limits=fill_from(EpisodeLimits, env),
+        training=fill_from(TrainingSettings, checked.trainer, device=device,
+                           attn_implementation=cfg.model.get("attn_implementation", "sdpa")).validate())
     run_dir = run_dir_of(cfg)
     own_lock = RunLock.held(run_dir) is None  # the CLI took it before Hydra started; a direct call takes it here
     lock = claim_run_dir(cfg)

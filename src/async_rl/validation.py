@@ -1,9 +1,10 @@
-"""Type and range checks of every config value, run before any model loads (issue 13, item 7).
+"""Type and range checks of every config value, run before any model loads (issue 13, item 7; issue 35, item 4).
 
-One rule per value: its type (read from the dataclass annotation for ``AlgorithmConfig`` / ``DriverConfig``,
-written out below for the free-form env, trainer and model groups) and its allowed range. A bad value raises
-:class:`ConfigError` with one line that names the key as the user types it on the command line, the value
-and what is allowed, e.g.::
+Every config group and every command-line tool's options is a settings dataclass whose fields are
+:func:`setting` fields: type (the annotation), default, range or choices, and a one-line meaning. Every check of a single
+value is derived from them here (:func:`check_settings`, :func:`parse_settings` for argparse tools); a class's own
+``validate`` / ``check_*`` adds only the rules that combine fields. A bad value raises :class:`ConfigError` with one
+line that names the key as the user types it on the command line, the value and what is allowed, e.g.::
 
     trainer.driver.total_steps='abc': must be an integer >= 1
 
@@ -12,13 +13,14 @@ The CLI (``async_rl.train``) prints such errors as ``error: <message>`` and exit
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 
 class ConfigError(ValueError):
@@ -181,27 +183,25 @@ def check_mapping(prefix: str, values: Mapping[str, Any], rules: Mapping[str, Ru
 
 
 # ----------------------------------------------------------------------------------------------------------
-# dataclasses: the type comes from the annotation, the range from a table (or the field's naming convention)
+# settings dataclasses: every field carries its type (annotation), default, range or choices and meaning
+# (metadata written by setting()); every check of a single value is derived from them, here
 # ----------------------------------------------------------------------------------------------------------
-# Fallback ranges for numeric fields that the table does not name, by the meaning their names carry, so a
-# newly added field is range-checked at once. The first matching pattern wins.
-CONVENTION_RANGES: tuple[tuple[str, str], ...] = (
-    (r"(^|_)lr$", "> 0"),  # learning rates
-    (r"group_size$", ">= 1"),
-    (r"(^|_)(gamma|lambda)$", "[0, 1]"),  # discount / GAE λ
-    (r"(^|_)(eps|epsilon)$", "> 0"),  # denominators' ε
-    (r"clip", ">= 0"),  # clip ε of any loss
-    (r"(^|_)coef$", ">= 0"),  # loss weights
-    (r"(^|_)(steps|updates|patience)($|_)", ">= 0"),
-    (r"timeout", "> 0"),
-)
+def setting(default: Any = dataclasses.MISSING, meaning: str = "", *, range: Optional[str] = None,
+            choices: Optional[tuple] = None, non_empty: bool = False) -> Any:
+    """A settings field: ``default`` (a list or dict default is copied per instance; none = required), ``meaning``
+    (one line, shown by ``--help`` and the docs), ``range`` (numbers, :func:`parse_range` text) or ``choices``
+    (the allowed values) and ``non_empty`` (strings, lists). :func:`check_settings` reads them::
 
-
-def convention_range(name: str) -> Optional[str]:
-    for pattern, text in CONVENTION_RANGES:
-        if re.search(pattern, name):
-            return text
-    return None
+        total_steps: int = setting(100, "optimizer batches to train", range=">= 1")
+    """
+    if range is not None:
+        parse_range(range)  # a typo in a range fails at import, not at the first bad value
+    metadata = {"meaning": meaning, "range": range, "choices": tuple(choices) if choices is not None else None,
+                "non_empty": non_empty}
+    if isinstance(default, (list, dict)) or (dataclasses.is_dataclass(default) and not isinstance(default, type)):
+        frozen = copy.deepcopy(default)
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(frozen), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _rule_for_annotation(annotation: Any) -> tuple[Optional[Rule], Optional[type]]:
@@ -230,174 +230,202 @@ def _rule_for_annotation(annotation: Any) -> tuple[Optional[Rule], Optional[type
     return Rule(kind, optional=optional), None
 
 
-def dataclass_rules(cls: type, ranges: Mapping[str, str], prefix: str = "") -> dict[str, Rule]:
-    """Dotted field name -> :class:`Rule` for every field of ``cls`` and its nested dataclasses: type from
-    the annotation, range from ``ranges`` (dotted names) or :data:`CONVENTION_RANGES`."""
+def field_rule(f: dataclasses.Field, annotation: Any) -> tuple[Optional[Rule], Optional[type]]:
+    """The :class:`Rule` of one settings field (type from ``annotation``, the rest from :func:`setting`'s
+    metadata), and its nested settings class when it is one."""
+    rule, nested = _rule_for_annotation(annotation)
+    if rule is None or nested is not None:
+        return rule, nested
+    meta = f.metadata
+    return dataclasses.replace(rule, range=meta.get("range") if rule.kind in ("int", "float") else None,
+                               choices=meta.get("choices") or rule.choices,
+                               non_empty=bool(meta.get("non_empty"))), None
+
+
+def settings_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Optional[Rule]]]:
+    """``(dotted name, field, rule)`` for every field of the settings class ``cls`` and of its nested settings
+    classes (a nested class's own fields follow its name)."""
     hints = typing.get_type_hints(cls)
-    rules: dict[str, Rule] = {}
+    out = []
     for f in dataclasses.fields(cls):
-        rule, nested = _rule_for_annotation(hints[f.name])
-        dotted = prefix + f.name
+        rule, nested = field_rule(f, hints[f.name])
+        out.append((prefix + f.name, f, rule))
         if nested is not None:
-            rules.update(dataclass_rules(nested, ranges, dotted + "."))
-            continue
-        if rule is None:
-            continue
-        if rule.kind in ("int", "float"):
-            text = ranges.get(dotted, convention_range(f.name))
-            rule = dataclasses.replace(rule, range=text)
-        rules[dotted] = rule
-    return rules
+            out.extend(settings_fields(nested, f"{prefix}{f.name}."))
+    return out
 
 
-def check_dataclass(obj: Any, prefix: str, ranges: Mapping[str, str]) -> None:
-    """Check (and normalise in place: int -> float for float fields) every field of the dataclass instance
-    ``obj`` and its nested dataclasses. ``prefix`` is the config group as typed on the command line."""
+def field_default(f: dataclasses.Field) -> Any:
+    """A field's default value (a fresh one for a default factory); ``dataclasses.MISSING`` for a required one."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def check_settings(obj: Any, prefix: str) -> Any:
+    """Check (and normalise in place: int -> float for a float field, 1e3 -> 1000 for an int field) every field of
+    the settings instance ``obj`` and of its nested settings, by the rules :func:`field_rule` derives. ``prefix``
+    is the config group as typed on the command line (``trainer.driver``). Returns ``obj``."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        rule, nested = _rule_for_annotation(hints[f.name])
+        rule, nested = field_rule(f, hints[f.name])
         value = getattr(obj, f.name)
-        key = f"{prefix}.{f.name}"
+        key = f"{prefix}.{f.name}" if prefix else f.name
         if nested is not None:
             if value is None and rule.optional:
                 continue
             if not isinstance(value, nested):
                 raise ConfigError(f"{key}={_show(value)}: must be a mapping of "
                                   f"{', '.join(g.name for g in dataclasses.fields(nested))}")
-            check_dataclass(value, key, {k[len(f.name) + 1:]: v for k, v in ranges.items()
-                                         if k.startswith(f.name + ".")})
+            check_settings(value, key)
             continue
-        if rule is None:
-            continue
-        if rule.kind in ("int", "float"):
-            rule = dataclasses.replace(rule, range=ranges.get(f.name, convention_range(f.name)))
-        setattr(obj, f.name, check_value(key, value, rule))
+        if rule is not None:
+            setattr(obj, f.name, check_value(key, value, rule))
+    return obj
 
 
-def dataclass_from_mapping(cls: type, values: Any, prefix: str) -> Any:
-    """Build ``cls`` from a plain mapping, nested dataclasses from nested mappings; an unknown key or a
-    non-mapping fails with the valid keys."""
+def settings_from_mapping(cls: type, values: Any, prefix: str, keep_unknown: bool = False) -> Any:
+    """Build the settings class ``cls`` from a plain mapping (nested settings from nested mappings). An unknown key
+    fails with the valid ones (``keep_unknown``: they are returned instead, as ``(settings, {key: value})``), a
+    missing required key names itself. Values are not checked: :func:`check_settings` does that."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"{prefix}={_show(values)}: must be a mapping with keys "
                           f"{', '.join(f.name for f in dataclasses.fields(cls))}")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(known))
-    if unknown:
+    if unknown and not keep_unknown:
         raise ConfigError(f"unknown {cls.__name__} keys {unknown} under {prefix}; valid keys: {sorted(known)}")
+    missing = [name for name, f in known.items() if name not in values and field_default(f) is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}.{missing[0]} is missing: it has no default; set it")
     kwargs = {}
     for key, value in values.items():
+        if key not in known:
+            continue
         _, nested = _rule_for_annotation(hints[key])
-        kwargs[key] = dataclass_from_mapping(nested, value, f"{prefix}.{key}") \
+        kwargs[key] = settings_from_mapping(nested, value, f"{prefix}.{key}") \
             if nested is not None and isinstance(value, Mapping) else value
+    built = cls(**kwargs)
+    return (built, {k: values[k] for k in unknown}) if keep_unknown else built
+
+
+def settings_as_dict(obj: Any) -> dict[str, Any]:
+    """The plain mapping of a settings instance (nested settings as mappings): what its YAML group holds."""
+    return dataclasses.asdict(obj)
+
+
+def fill_from(cls: type, *sources: Any, **given: Any) -> Any:
+    """An instance of the dataclass ``cls`` whose fields come from the same-named fields of ``sources`` (settings
+    instances, first one holding the name wins), ``given`` keywords first. A field none of them holds keeps its
+    default; so no settings object copies another's fields by hand, and a field added to both is carried at once."""
+    kwargs = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs or not f.init:
+            continue
+        for source in sources:
+            if dataclasses.is_dataclass(source) and f.name in {g.name for g in dataclasses.fields(source)}:
+                kwargs[f.name] = getattr(source, f.name)
+                break
     return cls(**kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# env, trainer, model and the top level (free-form Hydra groups: rules written out)
+# command-line tools: options of a settings class as --flags (argparse), read back into the class and checked
 # ----------------------------------------------------------------------------------------------------------
-TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld", "reasoning_gym")
-ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen", "eval_in_distribution", "eval_out_of_distribution")
+def describe_setting(f: dataclasses.Field, rule: Optional[Rule]) -> str:
+    """``meaning [allowed; default: x]`` of one field, for ``--help`` and usage texts."""
+    default = field_default(f)
+    parts = [f.metadata.get("meaning", "")]
+    if rule is not None and (rule.range or rule.choices):
+        parts.append(f"[{rule.describe()}]")
+    if default is not dataclasses.MISSING:
+        parts.append(f"(default: {default!r})")
+    else:
+        parts.append("(required)")
+    return " ".join(p for p in parts if p)
 
-_COMMON_ENV_RULES = {
-    "name": Rule("str", choices=TASK_ENVS),
-    "max_turns": Rule("int", ">= 1"),
-    "max_new_tokens": Rule("int", ">= 1"),
-    "max_response_tokens": Rule("int", ">= 1"),
-    "env_timeout_s": Rule("float", "> 0"),
-    "stop_strings": Rule("list", optional=True, items="str"),
-}
-_DATA_FILE_RULES = {  # math and retool read the same data loader keys
-    "train_data": Rule("str", non_empty=True),
-    "train_split": Rule("str", non_empty=True),
-    "eval_sets": Rule("list", optional=True),
-    "num_tasks": Rule("int", ">= 1", optional=True),
-    "prompt_key": Rule("str", optional=True),
-    "answer_key": Rule("str", optional=True),
-    "id_key": Rule("str", optional=True),
-    "strip_dapo_instruction": Rule("bool"),
-    "prompt_template": Rule("str", optional=True),
-    "dedupe": Rule("bool"),
-    "allow_hub": Rule("bool"),
-    "cache_dir": Rule("str", optional=True),
-    "verify_timeout_s": Rule("float", "> 0"),
-    "fallback_last_number": Rule("bool"),  # the grader's last-number fallback (off in every recipe)
-}
-ENV_RULES: dict[str, dict[str, Rule]] = {
-    "toy_keys": {"num_tasks": Rule("int", ">= 1")},
-    "toy_echo": {"num_tasks": Rule("int", ">= 1")},
-    "math": dict(_DATA_FILE_RULES),
-    "retool": {
-        **_DATA_FILE_RULES,
-        "tool_prompt_template": Rule("str", optional=True),
-        "code_timeout_s": Rule("float", "> 0"),
-        "max_observation_chars": Rule("int", ">= 16"),  # ReToolEnv keeps a head and a tail of the output
-        "persist_state": Rule("bool"),
-        "sandbox": Rule("mapping"),
-        "sandbox.kind": Rule("str", choices=("local", "fusion")),
-        "sandbox.url": Rule("str", optional=True),
-    },
-    "webshop": {
-        "backend": Rule("str", choices=("simulator", "server")),
-        "server_url": Rule("str", non_empty=True),
-        "server_timeout_s": Rule("float", "> 0"),
-        "num_tasks": Rule("int", ">= 1"),
-        "split": Rule("str", choices=("train", "test", "all")),
-        "history_length": Rule("int", ">= 0"),
-        "catalog_seed": Rule("int", ">= 0"),
-        "num_products": Rule("int", ">= 1"),
-        "num_goals": Rule("int", ">= 1"),
-        "num_test_goals": Rule("int", ">= 0"),
-        "goal_range": Rule("list", optional=True, items="int"),
-        "check_instruction": Rule("bool"),
-        "eval_split": Rule("str", choices=("train", "test", "all")),
-    },
-    "reasoning_gym": {  # any reasoning-gym dataset (envs/reasoning_gym_env.py); names checked against the package
-        "dataset": Rule("str", non_empty=True),
-        "dataset_config": Rule("mapping", optional=True),
-        "data_seed": Rule("int", ">= 0"),
-        "num_train": Rule("int", ">= 1"),
-        "num_eval": Rule("int", ">= 0"),
-        "split": Rule("str", choices=("train", "eval")),
-        "eval_split": Rule("str", choices=("eval",)),
-        "num_tasks": Rule("int", ">= 1", optional=True),
-        "answer_format": Rule("str", choices=("answer_tag", "hashes", "boxed")),
-        "prompt_template": Rule("str", optional=True),
-    },
-    "alfworld": {
-        "data_dir": Rule("str", non_empty=True),
-        "split": Rule("str", choices=ALFWORLD_SPLITS),
-        "num_tasks": Rule("int", ">= 0"),  # 0 = every game of the split
-        "history_length": Rule("int", ">= 0"),
-        "eval_split": Rule("str", choices=ALFWORLD_SPLITS),
-    },
-}
 
-TRAINER_RULES: dict[str, Rule] = {
-    "run_name": Rule("str", non_empty=True),
-    "output_dir": Rule("str", non_empty=True),
-    "scheduler": Rule("str", choices=("deterministic", "concurrent")),
-    "device": Rule("str", choices=("cpu", "cuda", "auto")),
-    "require_gpu": Rule("bool"),
-    "cpu_variant": Rule("str", optional=True),
-    "workers": Rule("str", choices=("local", "ray")),
-    "train_workers": Rule("int", ">= 1"),
-    "wandb": Rule("bool"),
-    "project": Rule("str", non_empty=True),
-    "temperature": Rule("float", "> 0"),
-    "top_p": Rule("float", "(0, 1]"),
-    "max_grad_norm": Rule("float", "> 0", optional=True),  # null = no gradient clipping
-    "torch_threads": Rule("int", ">= 1", optional=True),
-    "micro_batch_size": Rule("int", ">= 1", optional=True),
-    "precision": Rule("str", choices=("fp32", "bf16")),  # docs/engine.md §7
-    "max_tokens_per_micro_batch": Rule("int", ">= 1", optional=True),
-    "activation_checkpointing": Rule("bool"),
-    "resume": Rule("bool"),
-    "overwrite": Rule("bool"),
-    "export_model": Rule("bool"),
-    "driver": Rule("mapping"),
-}
+def add_settings_arguments(parser: Any, cls: type, positional: tuple[str, ...] = ()) -> None:
+    """One ``--field-name`` option per field of the settings class ``cls`` (``positional``: fields taken as
+    positional arguments instead): type, default, choices and help text all from the field. A list field takes
+    several values; a bool field takes ``--name`` / ``--no-name``."""
+    import argparse
 
+    for name, f, rule in settings_fields(cls):
+        if "." in name:
+            raise TypeError(f"{cls.__name__}.{name}: nested settings are not command-line options")
+        help_text = describe_setting(f, rule).replace("%", "%%")
+        default = field_default(f)
+        kwargs: dict[str, Any] = {"help": help_text}
+        if rule is not None and rule.kind == "bool":
+            kwargs.update(action=argparse.BooleanOptionalAction, default=default)
+        elif rule is not None and rule.kind == "list":
+            kwargs.update(nargs="*", default=default, type=_ITEM_TYPES.get(rule.items or "str", str))
+        else:
+            kwargs.update(type=_parse_optional(_ITEM_TYPES.get(rule.kind, str) if rule else str, rule))
+            if rule is not None and rule.choices is not None:
+                kwargs["choices"] = rule.choices
+        if name in positional:
+            kwargs.pop("default", None) if default is dataclasses.MISSING else kwargs.setdefault("nargs", "?")
+            if default is not dataclasses.MISSING:
+                kwargs["default"] = default
+            parser.add_argument(name, **kwargs)
+            continue
+        if default is dataclasses.MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+
+
+_ITEM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _parse_optional(convert: Callable[[str], Any], rule: Optional[Rule]) -> Callable[[str], Any]:
+    """argparse's ``type``: ``none``/``null`` is None for an optional field, else ``convert``."""
+    def parse(text: str) -> Any:
+        if rule is not None and rule.optional and text.strip().lower() in ("none", "null"):
+            return None
+        return convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names the type in its errors
+    return parse
+
+
+def settings_from_arguments(cls: type, namespace: Any, prefix: str = "--") -> Any:
+    """The settings instance from an argparse namespace of :func:`add_settings_arguments`, checked (an error names
+    the option as typed, e.g. ``--steps=0: must be an integer >= 1``)."""
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
+    built = cls(**values)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        rule, _ = field_rule(f, hints[f.name])
+        if rule is not None:
+            setattr(built, f.name, check_value(prefix + f.name.replace("_", "-"), getattr(built, f.name), rule))
+    return built
+
+
+def parse_settings(cls: type, argv: Optional[list[str]] = None, description: str = "",
+                   positional: tuple[str, ...] = (), prog: Optional[str] = None) -> Any:
+    """argparse over the settings class ``cls``: ``--help`` lists every field with its meaning, allowed values and
+    default; a bad value exits with status 2 and one line naming the option (as argparse does)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_settings_arguments(parser, cls, positional)
+    namespace = parser.parse_args(argv)
+    try:
+        return settings_from_arguments(cls, namespace)
+    except ConfigError as err:
+        parser.error(str(err))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checks that need more than one value, or the machine (the settings classes of each group call them)
+# ----------------------------------------------------------------------------------------------------------
 # ``model.attn_implementation``: the attention kernels of the trained models (transformers' names), checked in
 # full (flash-attn installed, CUDA, bf16) by :func:`check_attn_implementation`. sdpa is PyTorch's own
 # (CPU and GPU, any dtype); flash_attention_2 needs the optional flash-attn package, a CUDA GPU and half-precision
@@ -427,90 +455,6 @@ def check_attn_implementation(name: str, device: str = "cpu", precision: str = "
         raise ValueError(f"model.attn_implementation=flash_attention_2 needs half-precision compute "
                          f"(trainer.precision={precision}); set trainer.precision=bf16 or use sdpa")
     return name
-
-
-# ``model.packaged``: pretrained models shipped inside a PyPI package, converted once into ``model.dir``
-# (``async_rl.models.packaged.PACKAGED_MODELS``; listed here so validation imports no model code)
-PACKAGED_MODEL_NAMES = ("smollm2",)
-
-MODEL_RULES: dict[str, Rule] = {
-    "dir": Rule("str", non_empty=True),
-    "packaged": Rule("str", choices=PACKAGED_MODEL_NAMES, optional=True),
-    "build_tiny": Rule("bool"),
-    "hidden_size": Rule("int", ">= 8", optional=True),
-    "num_layers": Rule("int", ">= 1", optional=True),
-    "attn_implementation": Rule("str", choices=ATTN_IMPLEMENTATIONS),
-    "sft": Rule("mapping"),
-    "sft.enabled": Rule("bool"),
-    "sft.noise": Rule("float", "[0, 1]", optional=True),
-    "sft.steps": Rule("int", ">= 1", optional=True),
-    "sft.dir": Rule("str", optional=True),  # where the warm-started model is cached (null: <dir>/sft)
-    "sft.lr": Rule("float", "> 0", optional=True),  # SFT learning rate (null: the tiny model's tuned default)
-}
-
-# numpy's seed range: every seed must be accepted by random, numpy and torch alike
-SEED_RULE = Rule("int", f"[0, {2 ** 32 - 1}]")
-
-
-#: ``env.module``: an importable module outside this package that registers the env named ``env.name`` (and its
-#: facts) when imported; the run imports it before it makes tasks or envs (docs/own_env.md)
-ENV_MODULE_RULE = Rule("str", optional=True, non_empty=True)
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
-
-def check_env(env: Mapping[str, Any]) -> dict[str, Any]:
-    """Checked copy of the ``env`` group: common keys, then the keys of ``env.name``'s group. An env of an outside
-    module (``env.module``) may have any name; its own keys are its module's to check."""
-    env = check_mapping("env", env, {"module": ENV_MODULE_RULE})
-    module = env.get("module")
-    if module is not None and not _MODULE_NAME.match(module):
-        raise ConfigError(f"env.module={module!r}: must be an importable module name such as my_pkg.my_env")
-    name_rule = Rule("str", non_empty=True) if module else _COMMON_ENV_RULES["name"]
-    env = check_mapping("env", env, {"name": name_rule})
-    if "name" not in env:
-        raise ConfigError(f"env.name is missing: choose env=<{'|'.join(TASK_ENVS)}>")
-    env = check_mapping("env", env, {**_COMMON_ENV_RULES, "name": name_rule})
-    own_rules = ENV_RULES.get(env["name"], {})
-    env = check_mapping("env", env, own_rules)
-    # a key added to an env group without a rule here is still held to what its name promises
-    known = set(_COMMON_ENV_RULES) | set(own_rules) | {"module"}
-    env = check_mapping("env", env, {key: Rule("float", "> 0") for key in env
-                                     if key not in known and key.endswith("_timeout_s")})
-    for key in ("max_turns", "max_new_tokens", "max_response_tokens", "env_timeout_s"):
-        if key not in env:
-            raise ConfigError(f"env.{key} is missing: set it in the env's YAML (env/{env['name']}.yaml)")
-    # checks of keys only some groups have (retool's code_timeout_s, webshop's goal_range)
-    if env.get("code_timeout_s") is not None and env["env_timeout_s"] <= env["code_timeout_s"]:
-        raise ConfigError(f"env.env_timeout_s={env['env_timeout_s']}: must exceed env.code_timeout_s="
-                          f"{env['code_timeout_s']} (a code run that times out is shown to the model, not aborted)")
-    goal_range = env.get("goal_range")
-    if goal_range is not None and (len(goal_range) != 2 or not 0 <= goal_range[0] < goal_range[1]):
-        raise ConfigError(f"env.goal_range={goal_range}: must be [start, stop) with 0 <= start < stop")
-    return env
-
-
-def check_model(model: Mapping[str, Any]) -> dict[str, Any]:
-    model = check_mapping("model", model, MODEL_RULES)
-    if model.get("dir") in (None, "???"):
-        raise ConfigError("model.dir is not set: give model.dir=/path/to/model (or use model=tiny)")
-    if model.get("packaged") and model.get("build_tiny"):
-        raise ConfigError(f"model.packaged={model['packaged']} with model.build_tiny=true: choose one (the packaged "
-                          "model is converted into model.dir; build_tiny builds a random tiny one there)")
-    if model.get("build_tiny"):
-        for key in ("hidden_size", "num_layers"):
-            if model.get(key) is None:
-                raise ConfigError(f"model.{key}=None: model.build_tiny=true needs an integer (e.g. model=tiny)")
-        # make_tiny_model uses 4 attention heads (2 KV heads); rotary embeddings need an even head size
-        if model["hidden_size"] % 8:
-            raise ConfigError(f"model.hidden_size={model['hidden_size']}: must be a multiple of 8 "
-                              "(4 attention heads of even size)")
-    return model
-
-
-def check_trainer(trainer: Mapping[str, Any]) -> dict[str, Any]:
-    trainer = check_mapping("trainer", trainer, TRAINER_RULES)
-    check_training_sampling(trainer.get("top_p", 1.0), key="trainer.top_p")
-    return trainer
 
 
 def check_training_sampling(top_p: float = 1.0, top_k: Optional[int] = None, key: str = "trainer.top_p") -> None:

@@ -9,45 +9,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from async_rl.validation import ConfigError, check_settings, setting, settings_from_mapping
+
 
 @dataclass
 class DriverConfig:
-    total_steps: int = 100  # optimizer batches to train
-    staleness_cap: int = 4  # k, spec §1: drop trajectories holding a token with policy lag > k
-    max_inflight_trajectories: Optional[int] = None  # rollout capacity (live episodes); None = 2 B
-    buffer_capacity: Optional[int] = None  # finished trajectories held; None = 4 B
-    chunk_tokens: int = 8  # tokens generated per scheduler tick (weights can change between chunks)
-    update_ticks: int = 4  # deterministic scheduler: simulated duration of one trainer update, in ticks
-    checkpoint_every: int = 0  # save a checkpoint every this many steps (0 = never)
-    keep_last: int = 3  # checkpoints kept on disk (older ones are deleted); >= 2 leaves one to fall back to
-    synchronous: bool = False  # colocated synchronous baseline: generate one batch, train, publish, repeat
+    """``trainer.driver.*``: every field a :func:`~async_rl.validation.setting` (type, default, range, meaning)."""
 
-    # allowed range of every numeric field (types come from the annotations above)
-    RANGES = {
-        "total_steps": ">= 1",
-        "staleness_cap": ">= 0",  # 0 = strictly on-policy
-        "max_inflight_trajectories": ">= 1",
-        "buffer_capacity": ">= 1",
-        "chunk_tokens": ">= 1",
-        "update_ticks": ">= 0",
-        "checkpoint_every": ">= 0",
-        "keep_last": ">= 1",
-    }
+    total_steps: int = setting(100, "optimizer batches to train", range=">= 1")
+    staleness_cap: int = setting(4, "k, spec §1: drop trajectories holding a token with policy lag > k (0 = strictly "
+                                    "on-policy)", range=">= 0")
+    max_inflight_trajectories: Optional[int] = setting(None, "live episodes the rollout keeps going; null = 2 B",
+                                                       range=">= 1")
+    buffer_capacity: Optional[int] = setting(None, "finished trajectories held (live ones count against its room); at "
+                                                   "least B + n - 1; null = 4 B", range=">= 1")
+    chunk_tokens: int = setting(8, "tokens generated per scheduler tick (weights can change between chunks)",
+                                range=">= 1")
+    update_ticks: int = setting(4, "deterministic scheduler: simulated duration of one trainer update, in ticks",
+                                range=">= 0")
+    checkpoint_every: int = setting(0, "save a checkpoint every this many steps (0 = never)", range=">= 0")
+    keep_last: int = setting(3, "checkpoints kept on disk (older ones are deleted); >= 2 leaves one to fall back to",
+                             range=">= 1")
+    synchronous: bool = setting(False, "colocated synchronous baseline: generate one batch, train, publish, repeat")
 
     @classmethod
     def from_dict(cls, data: dict) -> "DriverConfig":
         """From a plain dict (the resolved ``trainer.driver`` node); unknown keys fail with the valid ones."""
-        from async_rl.validation import dataclass_from_mapping
-
-        return dataclass_from_mapping(cls, data, "trainer.driver")
+        return settings_from_mapping(cls, data, "trainer.driver")
 
     def validate(self, batch_size: int, group_size: int = 1) -> None:
         """Types and ranges of every field (one line naming ``trainer.driver.<key>``, the value and what is
         allowed), then the capacities against one batch of ``batch_size`` trajectories sampled in groups of
         ``group_size``."""
-        from async_rl.validation import ConfigError, check_dataclass
-
-        check_dataclass(self, "trainer.driver", self.RANGES)
+        check_settings(self, "trainer.driver")
         # the buffer counts live trajectories against its room: when an aborted member leaves the ready groups
         # one short of a batch, one more group must still fit, or neither a launch nor a batch can happen
         need = batch_size + group_size - 1

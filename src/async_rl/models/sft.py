@@ -16,21 +16,22 @@ Details: docs/toy_tasks.md (SFT warm start; Chat layout); recipes/README.md (the
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from async_rl.envs.base import make_env
 from async_rl.envs.facts import Demonstrations, demonstration_env_names, env_facts
 from async_rl.envs.toy import make_toy_tasks, observation_text  # (importing async_rl.envs registers every env)
+from async_rl.validation import parse_settings, setting
 
 __all__ = [
     "DEFAULTS",
@@ -503,31 +504,35 @@ def sample_success_rate(
 # --------------------------------------------------------------------------------------------------
 
 
-def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m async_rl.models.sft",
-        description="SFT warm start of a (tiny) model on noisy toy-task demonstrations.",
-    )
-    parser.add_argument("--model", required=True, help="input model directory")
-    parser.add_argument("--out", required=True, help="output directory (model + tokenizer + sft_stats.json)")
-    parser.add_argument("--env", default="toy_keys", help="toy_keys, toy_echo, or both comma-separated")
-    parser.add_argument("--num-demos", type=int, default=DEFAULT_NUM_DEMOS)
-    parser.add_argument("--noise", type=float, default=None, help="fraction of wrong demos (default per env)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default per env)")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR)
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    parser.add_argument("--think-tokens-mean", type=float, default=DEFAULT_THINK_TOKENS_MEAN)
-    parser.add_argument("--clean-fraction", type=float, default=None,
-                        help="fraction of the steps (the first ones) on clean demos (default per env)")
-    parser.add_argument("--blind-fraction", type=float, default=None,
-                        help="toy_keys: fraction of the wrong demos that skip `look` (default per env)")
-    parser.add_argument("--num-threads", type=int, default=1, help="torch CPU threads (0: leave torch's setting)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=0)
-    parser.add_argument("--eval-tasks", type=int, default=0, help="if > 0, sample this many fresh tasks per env")
-    parser.add_argument("--eval-seed", type=int, default=12345)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    return parser.parse_args(argv)
+@dataclass
+class SFTOptions:
+    """``python -m async_rl.models.sft`` options: each a setting (type, default, range, meaning), read by
+    :func:`async_rl.validation.parse_settings`."""
+
+    model: str = setting(meaning="input model directory", non_empty=True)
+    out: str = setting(meaning="output directory (model + tokenizer + sft_stats.json)", non_empty=True)
+    env: str = setting("toy_keys", "toy_keys, toy_echo, or both comma-separated", non_empty=True)
+    num_demos: int = setting(DEFAULT_NUM_DEMOS, "scripted demonstrations generated", range=">= 1")
+    noise: Optional[float] = setting(None, "fraction of wrong demos (null: the env's default)", range="[0, 1]")
+    steps: Optional[int] = setting(None, "optimizer steps (null: the env's default)", range=">= 1")
+    lr: float = setting(DEFAULT_LR, "learning rate (the tiny model's; a pretrained model needs ~1e-5)", range="> 0")
+    batch_size: int = setting(DEFAULT_BATCH_SIZE, "demonstrations per optimizer step", range=">= 1")
+    think_tokens_mean: float = setting(DEFAULT_THINK_TOKENS_MEAN, "mean length of a <think> filler", range=">= 0")
+    clean_fraction: Optional[float] = setting(None, "fraction of the steps (the first ones) on clean demos (null: the "
+                                                    "env's default)", range="[0, 1]")
+    blind_fraction: Optional[float] = setting(None, "toy_keys: fraction of the wrong demos that skip `look` (null: "
+                                                    "the env's default)", range="[0, 1]")
+    num_threads: int = setting(1, "torch CPU threads (0: leave torch's setting)", range=">= 0")
+    seed: int = setting(0, "seed of the demonstrations and the optimizer", range=">= 0")
+    log_every: int = setting(0, "print the loss every this many steps (0: never)", range=">= 0")
+    eval_tasks: int = setting(0, "if > 0, sample this many fresh tasks per env after training", range=">= 0")
+    eval_seed: int = setting(12345, "seed of the evaluation tasks and samples", range=">= 0")
+    temperature: float = setting(1.0, "sampling temperature of the evaluation", range="> 0")
+
+
+def _parse_args(argv: list[str] | None = None) -> SFTOptions:
+    return parse_settings(SFTOptions, argv, "SFT warm start of a (tiny) model on noisy toy-task demonstrations.",
+                          prog="python -m async_rl.models.sft")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

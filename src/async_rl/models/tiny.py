@@ -16,13 +16,15 @@ CLI::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from async_rl.validation import parse_settings, setting
 
 # Special tokens, in the order they get ids 0, 1, 2, ... in the tiny vocabulary.
 ENDOFTEXT_TOKEN = "<|endoftext|>"
@@ -251,21 +253,25 @@ def make_tiny_model(
     return out_path
 
 
-def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m async_rl.models.tiny",
-        description="Write a tiny random Qwen2 model + byte-level BPE tokenizer directory.",
-    )
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--max-position-embeddings", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+@dataclass
+class TinyModelOptions:
+    """``python -m async_rl.models.tiny`` options: the :func:`make_tiny_model` arguments, each a setting."""
+
+    out: str = setting(meaning="output directory", non_empty=True)
+    vocab_size: int = setting(DEFAULT_VOCAB_SIZE, "byte-level BPE vocabulary size (special tokens included)",
+                              range=f">= {len(SPECIAL_TOKENS) + _NUM_BYTE_TOKENS + 1}")
+    hidden_size: int = setting(64, "model width (a multiple of num_heads, even head size)", range=">= 8")
+    num_layers: int = setting(2, "decoder layers", range=">= 1")
+    num_heads: int = setting(4, "attention heads", range=">= 1")
+    num_kv_heads: int = setting(2, "key/value heads (divides num_heads)", range=">= 1")
+    intermediate_size: int = setting(128, "MLP width", range=">= 1")
+    max_position_embeddings: int = setting(1024, "context length in tokens", range=">= 2")
+    seed: int = setting(0, "seed of the random weights", range=">= 0")
+
+
+def _parse_args(argv: list[str] | None = None) -> TinyModelOptions:
+    return parse_settings(TinyModelOptions, argv, "Write a tiny random Qwen2 model + byte-level BPE tokenizer "
+                          "directory.", prog="python -m async_rl.models.tiny")
 
 
 def main(argv: list[str] | None = None) -> None:
