@@ -100,7 +100,7 @@ def run_one(model_path: str, replicas: int, args, mode: str = "standalone", hook
                 ray.get([r.servers[0].abort_all_requests.remote() for r in pool.replicas])
                 for r in pool.replicas:
                     snapshots += list(ray.get(r.servers[0].progress.remote()).items())
-                # the one form this pool takes (rollout/weight_sync.py): hybrid replicas copy the weights from
+                # the one form this pool takes (rollout/publication.py): hybrid replicas copy the weights from
                 # the actor in their own process and are sent only the version; standalone ones get the handle
                 pool.update_weights(in_process_handle(version) if groups is not None else handles[version - 1],
                                     version)

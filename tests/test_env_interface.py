@@ -249,8 +249,8 @@ def test_every_task_env_registers_its_facts_and_the_entry_points_read_them():
     from async_rl.envs.settings import TASK_ENVS
 
     assert env_names_with_facts() == sorted(TASK_ENVS)
-    assert env_facts("webshop").eval_split == "test" and env_facts("alfworld").multi_turn
-    assert env_facts("toy_keys").toy_eval_set and not env_facts("math").multi_turn
+    assert env_facts("webshop").eval_split == "test" and env_facts("alfworld").takes_max_turns
+    assert env_facts("toy_keys").toy_eval_set and not env_facts("math").takes_max_turns
     with pytest.raises(ValueError, match="env 'nope' has no registered facts"):
         env_facts("nope")
 
@@ -267,7 +267,7 @@ def test_every_task_env_registers_its_facts_and_the_entry_points_read_them():
 
     register_env_facts("test_facts_env", EnvFacts(
         make_tasks=lambda cfg, seed: [{"id": f"t{seed}", "prompt": "p"}] * cfg.num_tasks,
-        env_kwargs=lambda cfg: {"flavour": cfg.flavour}, multi_turn=True, toy_eval_set=False))
+        env_kwargs=lambda cfg: {"flavour": cfg.flavour}, takes_max_turns=True, toy_eval_set=False))
     cfg = OmegaConf.create({"name": "test_facts_env", "num_tasks": 2, "flavour": "spicy"})
     assert make_tasks(cfg, 3) == [{"id": "t3", "prompt": "p"}] * 2 and env_kwargs(cfg) == {"flavour": "spicy"}
     built = make_env_factory(cfg, max_turns=4)()

@@ -80,9 +80,9 @@ def _run(tiny_model, tmp_path, workers: str, resume: bool):
     guard = Guard(driver.rollout.engine)
     driver.rollout.engine = guard
     # RunCore chose its weight sync from the engine when it was built: the same choice through the guard
-    from async_rl.rollout.weight_sync import choose_weight_sync
+    from async_rl.rollout.publication import choose_publication_form
 
-    assert choose_weight_sync(driver.learner.actor, guard) is driver.weight_sync
+    assert choose_publication_form(driver.learner.actor, guard) is driver.publication_form
     try:
         if resume:
             assert driver.resume()

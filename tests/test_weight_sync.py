@@ -1,8 +1,8 @@
-"""One weight-sync strategy per run (rollout/weight_sync.py): picked from what the actor and engine support."""
+"""One weight-sync strategy per run (rollout/publication.py): picked from what the actor and engine support."""
 
 import pytest
 
-from async_rl.rollout.weight_sync import WeightSync, choose_weight_sync, weights_to_publish
+from async_rl.rollout.publication import PublicationForm, choose_publication_form, weights_to_publish
 
 
 class Actor:
@@ -37,21 +37,21 @@ class InProcessActor:  # an in-process role: no publish_weights
 
 
 @pytest.mark.parametrize("actor,engine,expected", [
-    (Actor(), InDriverEngine(), WeightSync.STATE_DICT),
-    (Actor(), PublishingPool(), WeightSync.OBJECT_STORE),
-    (InProcessActor(), PublishingPool(), WeightSync.STATE_DICT),
-    (Actor(), PullingPool(), WeightSync.VERSION_ONLY),
-    (InProcessActor(), PullingPool(), WeightSync.VERSION_ONLY),
+    (Actor(), InDriverEngine(), PublicationForm.STATE_DICT),
+    (Actor(), PublishingPool(), PublicationForm.OBJECT_STORE),
+    (InProcessActor(), PublishingPool(), PublicationForm.STATE_DICT),
+    (Actor(), PullingPool(), PublicationForm.VERSION_ONLY),
+    (InProcessActor(), PullingPool(), PublicationForm.VERSION_ONLY),
 ])
 def test_the_strategy_moves_the_weights_least(actor, engine, expected):
-    assert choose_weight_sync(actor, engine) is expected
+    assert choose_publication_form(actor, engine) is expected
 
 
 def test_each_strategy_sends_one_form():
     actor = Actor()
-    assert weights_to_publish(WeightSync.STATE_DICT, actor, 3) == {"w": 1}
-    assert weights_to_publish(WeightSync.OBJECT_STORE, actor, 3) == {"version": 3, "ref": ["handle"]}
-    assert weights_to_publish(WeightSync.VERSION_ONLY, actor, 3) == {"version": 3, "in_process": True}
+    assert weights_to_publish(PublicationForm.STATE_DICT, actor, 3) == {"w": 1}
+    assert weights_to_publish(PublicationForm.OBJECT_STORE, actor, 3) == {"version": 3, "ref": ["handle"]}
+    assert weights_to_publish(PublicationForm.VERSION_ONLY, actor, 3) == {"version": 3, "in_process": True}
     assert actor.calls == ["export", ("publish", 3)]  # version-only moves nothing off the actor
 
 
@@ -66,5 +66,5 @@ def test_the_run_core_picks_the_strategy_once_when_built():
 
     learner = Learner(AlgorithmConfig(name="grpo", group_size=2, train_batch_trajectories=2), Actor(), None, 0)
     core = DeterministicDriver(DriverConfig(total_steps=1), learner, Rollout())
-    assert core.weight_sync is WeightSync.OBJECT_STORE
+    assert core.publication_form is PublicationForm.OBJECT_STORE
     assert core.weights_for(5) == {"version": 5, "ref": ["handle"]}

@@ -26,7 +26,7 @@ from async_rl.models.loading import load_causal_lm, load_tokenizer
 from async_rl.rollout.base import SamplingParams
 from async_rl.rollout.settings import ReplicaSettings
 from async_rl.rollout.hf_engine import HFRolloutEngine
-from async_rl.rollout.weight_sync import choose_weight_sync, weights_to_publish
+from async_rl.rollout.publication import choose_publication_form, weights_to_publish
 from async_rl.validation import ConfigError
 from async_rl.workers.roles import ActorRole, CriticRole
 
@@ -220,7 +220,7 @@ def _rollout_replicas(spec: RunSpec, actor):
     pool.max_positions = getattr(model_config, "max_position_embeddings", None)
     if settings.engine in ("hf", "vllm") or pool.checkpoint_manager is not None:
         # the replicas start from the actor's weights (vLLM/SGLang through the pool load the same checkpoint)
-        pool.update_weights(weights_to_publish(choose_weight_sync(actor, pool), actor, 0), 0)
+        pool.update_weights(weights_to_publish(choose_publication_form(actor, pool), actor, 0), 0)
     where = "inside the train ranks" if hybrid else "in their own processes"
     print(f"rollout: {len(replicas)} {settings.engine} replica(s) {where} ({settings.mode}), pids {pool.pids} "
           f"(driver pid {os.getpid()})", flush=True)

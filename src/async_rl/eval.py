@@ -496,7 +496,7 @@ def make_env_factory(env_cfg, max_turns: int) -> Callable[[], Any]:
     name = env_cfg.name
     facts = env_facts(name)
     kwargs: dict[str, Any] = dict(facts.env_kwargs(env_cfg))
-    if facts.multi_turn:
+    if facts.takes_max_turns:
         kwargs["max_turns"] = max_turns
     probe = make_env(name, **kwargs)  # fail now on a bad name or option, not inside every episode
     if facts.check_at_start is not None:

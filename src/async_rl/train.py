@@ -182,7 +182,7 @@ def check_env_at_start(env_cfg: DictConfig) -> None:
     if facts.check_at_start is None:
         return
     kwargs = dict(facts.env_kwargs(env_cfg))
-    if facts.multi_turn:
+    if facts.takes_max_turns:
         kwargs["max_turns"] = int(env_cfg.max_turns)
     probe = make_env(env_cfg.name, **kwargs)
     try:

@@ -32,7 +32,7 @@ from async_rl.driver.learner import Learner, StepResult
 from async_rl.driver.rollout_manager import RolloutManager
 from async_rl.driver.settings import DriverConfig  # noqa: F401  (defined without torch: the CLI checks it first)
 from async_rl.driver.trajectory import Trajectory
-from async_rl.rollout.weight_sync import choose_weight_sync, weights_to_publish
+from async_rl.rollout.publication import choose_publication_form, weights_to_publish
 
 
 def choose_prefetched_job(buffer: TrajectoryBuffer, rollout: RolloutManager, batch_size: int,
@@ -110,7 +110,7 @@ class RunCore(abc.ABC):
         self.buffer = TrajectoryBuffer(cfg.buffer_capacity or 4 * self.batch_size)
         self.max_inflight = cfg.max_inflight_trajectories or 2 * self.batch_size
         self.rollout.group_size = learner.cfg.group_size
-        self.weight_sync = choose_weight_sync(learner.actor, rollout.engine)  # how publications travel
+        self.publication_form = choose_publication_form(learner.actor, rollout.engine)  # how publications travel
         self.on_step = on_step
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         # called with the checkpoint's path after each save (train.py exports the policy as a model there)
@@ -170,8 +170,8 @@ class RunCore(abc.ABC):
         return result, weights
 
     def weights_for(self, version: int):
-        """The actor's weights as ``version``, in the form :attr:`weight_sync` sends them."""
-        return weights_to_publish(self.weight_sync, self.learner.actor, version)
+        """The actor's weights as ``version``, in the form :attr:`publication_form` sends them."""
+        return weights_to_publish(self.publication_form, self.learner.actor, version)
 
     # ------------------------------------------------------------------ Li2SAO switch (spec §4)
     def begin_switch(self) -> None:

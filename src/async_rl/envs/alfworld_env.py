@@ -693,6 +693,6 @@ def alfworld_eval_data(env_cfg: Any, split: str, mini_root: Path | None = None) 
 
 
 register_env_facts("alfworld", EnvFacts(make_tasks=make_alfworld_tasks_from_config,
-                                        env_kwargs=lambda c: dict(alfworld_env_kwargs(c)), multi_turn=True,
+                                        env_kwargs=lambda c: dict(alfworld_env_kwargs(c)), takes_max_turns=True,
                                         eval_split="eval_out_of_distribution",
                                         demonstrations=ALFWORLD_DEMONSTRATIONS, eval_data=alfworld_eval_data))

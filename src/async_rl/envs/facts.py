@@ -29,7 +29,7 @@ class Demonstrations:
 class EnvFacts:
     make_tasks: Callable[[Any, int], list[dict[str, Any]]]  # (env config group, seed) -> the prompt stream's tasks
     env_kwargs: Callable[[Any], dict[str, Any]] = _no_kwargs  # env config group -> constructor arguments
-    multi_turn: bool = False  # the constructor takes max_turns (eval passes env.max_turns; training's episode limits)
+    takes_max_turns: bool = False  # the constructor takes max_turns (eval passes env.max_turns; training's episode limits)
     eval_split: Optional[str] = None  # agent task: the held-out split eval plays when no eval_sets are given
     toy_eval_set: bool = False  # eval's default set is generated from the task generator under the env's name
     check_at_start: Optional[Callable[[Any], None]] = None  # called on a probe env before the model loads

@@ -421,5 +421,5 @@ def _create_sandbox(env: "ReToolEnv") -> None:
 
 
 register_env_facts("retool", EnvFacts(make_tasks=make_retool_tasks, env_kwargs=lambda c: dict(retool_env_kwargs(c)),
-                                      multi_turn=True, check_at_start=_create_sandbox,
+                                      takes_max_turns=True, check_at_start=_create_sandbox,
                                       demonstrations=RETOOL_DEMONSTRATIONS))

@@ -164,7 +164,7 @@ class RolloutService(Protocol):
     ``tests/test_rollout_contract.py`` runs the driver against each through a guard that refuses anything else.
 
     Optional capabilities, read with ``getattr`` and a default: ``takes_version_only`` / ``accepts_published_weights``
-    (how weights travel: ``rollout/weight_sync.py``), ``metrics()`` (per-step rollout metrics), ``max_positions``
+    (how weights travel: ``rollout/publication.py``), ``metrics()`` (per-step rollout metrics), ``max_positions``
     (the context limit an episode is cut at; the builder, ``assemble.py``, reads it from the engine it made).
     """
 
@@ -187,7 +187,7 @@ class RolloutService(Protocol):
         """Stop these requests (None: all); each comes back once, ``finish_reason="aborted"``, with its tokens."""
 
     def update_weights(self, weights: Any, version: int) -> None:
-        """Take the policy of ``version`` (what ``weight_sync.weights_to_publish`` made for this rollout); unfinished
+        """Take the policy of ``version`` (what ``publication.weights_to_publish`` made for this rollout); unfinished
         requests keep their tokens and go on under the new weights from the next token boundary."""
 
     def export_inflight(self) -> list[dict]:

@@ -43,7 +43,7 @@ class ReplicaFailure(RuntimeError):
     """A rollout replica died or hung and the run cannot (or must not) go on without it."""
 
 
-def first_line(error: BaseException) -> str:
+def remote_error_line(error: BaseException) -> str:
     """One line for an error message: a remote error's last line (the exception itself, after Ray's traceback),
     else the first line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -128,7 +128,7 @@ class ReplicaPool:
         self.update_latencies_s: list[float] = []
         self.max_positions: Optional[int] = None  # the model's context, read by the builder (Episode limits)
         # rollout.mode=hybrid: every replica runs inside a train rank and reads the actor's weights in memory, so a
-        # publication moves no weights (WeightSync.VERSION_ONLY, rollout/weight_sync.py: only the version)
+        # publication moves no weights (PublicationForm.VERSION_ONLY, rollout/publication.py: only the version)
         self.weights_in_process = all(getattr(r, "rollout_mode", None) is not None and
                                       getattr(r.rollout_mode, "value", None) == "hybrid" for r in self.replicas)
         self.checkpoint_manager = checkpoint_manager
@@ -226,7 +226,7 @@ class ReplicaPool:
     def update_weights(self, weights: Mapping[str, torch.Tensor] | dict[str, Any], version: int) -> None:
         """Pause every replica, load ``weights`` as ``version``, resume.
 
-        ``weights`` is what :func:`async_rl.rollout.weight_sync.weights_to_publish` gives under the run's
+        ``weights`` is what :func:`async_rl.rollout.publication.weights_to_publish` gives under the run's
         strategy: a version-only handle when the pool gets the weights itself (:attr:`takes_version_only`), a
         published handle, or a state dict (put in the object store here, once for every replica). Requests keep
         their tokens; tokens sampled from now on carry ``version``.
@@ -237,7 +237,7 @@ class ReplicaPool:
                     if self.takes_version_only else "a published handle or a state dict: its replicas load what "
                     "they are sent")
             raise ValueError(f"update_weights(version={version}): this pool takes {want} (the strategy is "
-                             f"async_rl.rollout.weight_sync.choose_weight_sync(actor, pool))")
+                             f"async_rl.rollout.publication.choose_publication_form(actor, pool))")
         if self.checkpoint_manager is not None:  # verl's manager pulls from the actor ranks
             started = time.perf_counter()
             self._update_through_manager(int(version))
@@ -393,7 +393,7 @@ class ReplicaPool:
         try:
             reply = ray.get(ref)
         except (RayActorError, ReplicaBrokenError) as error:  # died, or its decode loop failed
-            return self._replica_failed(live.replica, f"{type(error).__name__}: {first_line(error)}")
+            return self._replica_failed(live.replica, f"{type(error).__name__}: {remote_error_line(error)}")
         except RayTaskError as error:
             raise RuntimeError(f"rollout replica {live.replica} (pid {self.pids[live.replica]}) failed request "
                                f"{live.request.request_id!r}: {error}") from error
@@ -515,7 +515,7 @@ class ReplicaPool:
                     try:
                         health = ray.get(ref)
                     except (RayActorError, RayTaskError) as error:
-                        outputs += self._replica_failed(index, f"{type(error).__name__}: {first_line(error)}")
+                        outputs += self._replica_failed(index, f"{type(error).__name__}: {remote_error_line(error)}")
                         continue
                     stalled = float(health.get("stalled_s", 0.0)) if isinstance(health, Mapping) else 0.0
                     if stalled > self.health_timeout_s:  # the process answers, its engine does not move
@@ -586,7 +586,7 @@ def _run_with_deadline(call, timeout_s: float) -> Optional[str]:
     if thread.is_alive():
         return f"no answer within {timeout_s:g} s (hung)"
     error = outcome.get("error")
-    return None if error is None else f"{type(error).__name__}: {first_line(error)}"
+    return None if error is None else f"{type(error).__name__}: {remote_error_line(error)}"
 
 
 def attach_checkpoint_manager(pool: ReplicaPool, actor_group: Any, backend: str = "ray_object_store",
@@ -614,4 +614,4 @@ def attach_checkpoint_manager(pool: ReplicaPool, actor_group: Any, backend: str 
     return manager
 
 
-__all__ = ["ReplicaFailure", "ReplicaPool", "attach_checkpoint_manager", "episode_key", "first_line"]
+__all__ = ["ReplicaFailure", "ReplicaPool", "attach_checkpoint_manager", "episode_key", "remote_error_line"]

@@ -440,6 +440,6 @@ def check_server_at_start(env: "WebShopEnv") -> None:
 
 
 register_env_facts("webshop", EnvFacts(make_tasks=make_webshop_tasks_from_config,
-                                       env_kwargs=lambda c: dict(webshop_env_kwargs(c)), multi_turn=True,
+                                       env_kwargs=lambda c: dict(webshop_env_kwargs(c)), takes_max_turns=True,
                                        eval_split="test", demonstrations=WEBSHOP_DEMONSTRATIONS,
                                        check_at_start=check_server_at_start))
