@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from async_rl.config import AlgorithmConfig
 from async_rl.driver.settings import DriverConfig
+from async_rl.engine.settings import TrainingSettings
 from async_rl.envs.settings import ENV_SETTINGS, EnvSettings, SandboxSettings
 from async_rl.eval import EvalConfig
 from async_rl.models.packaged import MaterializeOptions
@@ -27,7 +28,7 @@ from async_rl.validation import (ConfigError, check_settings, field_default, fil
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
-SETTINGS_CLASSES = [AlgorithmConfig, DriverConfig, ReplicaSettings, TrainerSettings, ModelSettings, SFTSettings,
+SETTINGS_CLASSES = [AlgorithmConfig, DriverConfig, ReplicaSettings, TrainingSettings, TrainerSettings, ModelSettings, SFTSettings,
                     EnvSettings, SandboxSettings, *ENV_SETTINGS.values(), EvalConfig, SFTOptions, TinyModelOptions,
                     PlotOptions, MaterializeOptions]
 

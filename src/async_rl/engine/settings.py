@@ -8,38 +8,31 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from async_rl.engine.precision import validate_precision
-from async_rl.validation import check_attn_implementation
+from async_rl.engine.precision import PRECISIONS, validate_precision
+from async_rl.validation import ATTN_IMPLEMENTATIONS, check_attn_implementation, check_settings, setting
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainingSettings:
-    """How a role computes and splits its updates. See ``docs/engine.md`` §7.
+    """How a role computes and splits its updates (``docs/engine.md`` §7). Each field a setting; a run fills them
+    from ``trainer.*`` and ``model.attn_implementation`` by name (``validation.fill_from``)."""
 
-    Attributes:
-        precision: ``"bf16"`` (bf16 compute, fp32 master weights and AdamW state) or ``"fp32"``.
-        max_tokens_per_micro_batch: padded-token budget per forward/backward; ``None`` = no budget.
-        activation_checkpointing: recompute decoder blocks in backward instead of storing activations.
-        attn_implementation: the trained models' attention kernels (``model.attn_implementation``:
-            sdpa, flash_attention_2, eager); applied when a role loads its model (:meth:`model_kwargs`).
-        device: where the roles train; flash_attention_2 is checked against it.
-    """
-
-    precision: str = "fp32"
-    max_tokens_per_micro_batch: Optional[int] = None
-    activation_checkpointing: bool = False
-    attn_implementation: str = "sdpa"
-    device: str = "cpu"
+    precision: str = setting("fp32", "bf16: bf16 compute with fp32 master weights and AdamW state | fp32",
+                             choices=PRECISIONS)
+    max_tokens_per_micro_batch: Optional[int] = setting(None, "padded-token budget per forward/backward; null = no "
+                                                              "budget", range=">= 1")
+    activation_checkpointing: bool = setting(False, "recompute decoder blocks in backward instead of storing "
+                                                    "activations")
+    attn_implementation: str = setting("sdpa", "the trained models' attention kernels (model.attn_implementation), "
+                                               "applied when a role loads its model (model_kwargs)",
+                                       choices=ATTN_IMPLEMENTATIONS)
+    device: str = setting("cpu", "where the roles train; flash_attention_2 is checked against it", non_empty=True)
 
     def validate(self) -> "TrainingSettings":
         """Raise a one-line error naming the bad key; return self."""
         validate_precision(self.precision)
         check_attn_implementation(self.attn_implementation, self.device, self.precision)
-        budget = self.max_tokens_per_micro_batch
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"trainer.max_tokens_per_micro_batch={budget!r}; use an integer >= 1 or null")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"trainer.activation_checkpointing={self.activation_checkpointing!r}; use true or false")
+        check_settings(self, "trainer")  # the token budget and the checkpointing flag (trainer.* keys)
         return self
 
     def role_kwargs(self) -> dict[str, Any]:
