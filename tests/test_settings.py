@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from async_rl.config import AlgorithmConfig
 from async_rl.driver.settings import DriverConfig
 from async_rl.engine.settings import TrainingSettings
-from async_rl.envs.settings import ENV_SETTINGS, EnvSettings, SandboxSettings
+from async_rl.envs.settings import ENV_SETTINGS, EnvSettings, SandboxSettings, check_env
 from async_rl.eval import EvalConfig
 from async_rl.models.packaged import MaterializeOptions
 from async_rl.models.sft import SFTOptions
@@ -240,3 +240,39 @@ def test_eval_options_are_checked_from_their_settings():
         bad[key] = value
         with pytest.raises(ConfigError, match=message):
             _validate(bad)
+
+
+def test_env_keys_the_env_code_reads_are_settings_and_a_sandbox_option_of_the_other_kind_is_refused():
+    retool = _yaml(CONF / "env" / "retool.yaml")
+    assert check_env({**retool, "tool_prompt_template": None})["tool_prompt_template"] is None  # the bare question
+    assert check_env({**retool, "sandbox": {**retool["sandbox"], "memory_limit_mb": 512}})["sandbox"][
+        "memory_limit_mb"] == 512
+    with pytest.raises(ConfigError, match="env.sandbox.max_processes=8 is an option of env.sandbox.kind=local only"):
+        check_env({**retool, "sandbox": {**retool["sandbox"], "kind": "fusion", "max_processes": 8}})
+    alfworld = {**_yaml(CONF / "env" / "alfworld.yaml"), "data_dir": "/data"}
+    assert check_env({**alfworld, "categories": ["pick_and_place_simple"]})["categories"] == ["pick_and_place_simple"]
+    # the YAML's template is the one the env shows (envs/retool.py)
+    from async_rl.envs.retool import PROMPT_TEMPLATE, retool_env_kwargs
+
+    assert retool_env_kwargs(OmegaConf.create(retool))["prompt_template"] == PROMPT_TEMPLATE
+
+
+def test_env_facts_take_the_old_multi_turn_keyword_with_a_warning():
+    from async_rl.envs.facts import EnvFacts
+
+    with pytest.warns(DeprecationWarning, match="takes_max_turns"):
+        assert EnvFacts(make_tasks=lambda cfg, seed: [], multi_turn=True).takes_max_turns
+    assert not EnvFacts(make_tasks=lambda cfg, seed: []).takes_max_turns
+
+
+@dataclasses.dataclass
+class _OptionalChoice:
+    engine: Optional[str] = setting("hf", "an engine or none", choices=("hf", "vllm"))
+    out: Optional[str] = setting(None, "a folder")
+
+
+def test_an_optional_option_with_choices_takes_none_and_free_text_keeps_the_word():
+    assert parse_settings(_OptionalChoice, ["--engine", "none"]).engine is None
+    assert parse_settings(_OptionalChoice, ["--engine", "vllm", "--out", "none"]) == _OptionalChoice("vllm", "none")
+    with pytest.raises(SystemExit):
+        parse_settings(_OptionalChoice, ["--engine", "tgi"])

@@ -366,8 +366,8 @@ def add_settings_arguments(parser: Any, cls: type, positional: tuple[str, ...] =
             kwargs.update(nargs="*", default=default, type=_ITEM_TYPES.get(rule.items or "str", str))
         else:
             kwargs.update(type=_parse_optional(_ITEM_TYPES.get(rule.kind, str) if rule else str, rule))
-            if rule is not None and rule.choices is not None:
-                kwargs["choices"] = rule.choices
+            if rule is not None and rule.choices is not None and not rule.optional:
+                kwargs["choices"] = rule.choices  # an optional one's choices (and none) are check_value's
         if name in positional:
             kwargs.pop("default", None) if default is dataclasses.MISSING else kwargs.setdefault("nargs", "?")
             if default is not dataclasses.MISSING:
@@ -385,9 +385,12 @@ _ITEM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _parse_optional(convert: Callable[[str], Any], rule: Optional[Rule]) -> Callable[[str], Any]:
-    """argparse's ``type``: ``none``/``null`` is None for an optional field, else ``convert``."""
+    """argparse's ``type``: ``none``/``null`` is None for an optional number or choice (a free-text option keeps the
+    word: ``--out none`` is a folder named none), else ``convert``."""
+    takes_none = rule is not None and rule.optional and (rule.kind != "str" or rule.choices is not None)
+
     def parse(text: str) -> Any:
-        if rule is not None and rule.optional and text.strip().lower() in ("none", "null"):
+        if takes_none and text.strip().lower() in ("none", "null"):
             return None
         return convert(text)
 

@@ -7,7 +7,8 @@ env names.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 
@@ -40,6 +41,13 @@ class EnvFacts:
     # (env config, eval split, repo root or None) -> (env config, split, note or None): the data the split needs,
     # falling back to data shipped under the repo root when allowed (ALFWorld's mini set)
     eval_data: Optional[Callable[[Any, str, Any], tuple[Any, str, Optional[str]]]] = None
+    multi_turn: InitVar[Optional[bool]] = None  # the old name of takes_max_turns (env modules written before it)
+
+    def __post_init__(self, multi_turn: Optional[bool]) -> None:
+        if multi_turn is not None:
+            warnings.warn("EnvFacts(multi_turn=...) is now EnvFacts(takes_max_turns=...)", DeprecationWarning,
+                          stacklevel=3)
+            object.__setattr__(self, "takes_max_turns", bool(multi_turn))
 
 
 _FACTS: dict[str, EnvFacts] = {}

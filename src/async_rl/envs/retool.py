@@ -26,6 +26,7 @@ from async_rl.envs.base import Env, StepResult, register_env
 from async_rl.envs.demonstrations import RETOOL_DEMONSTRATIONS
 from async_rl.envs.facts import EnvFacts, register_env_facts
 from async_rl.envs.markup import fenced_blocks, tag_contents
+from async_rl.envs.settings import RETOOL_PROMPT_TEMPLATE
 from async_rl.rewards.math_reward import MathVerifier, extract_answer, grade_answer
 
 __all__ = [
@@ -41,13 +42,9 @@ __all__ = [
     "retool_env_kwargs",
 ]
 
-#: Prompt shown to the policy; ``{prompt}`` is the task's prompt field (the bare question).
-PROMPT_TEMPLATE = (
-    "Solve the following problem step by step. You can run Python code: write it inside <code>...</code> "
-    "and the output of the code will be shown to you inside <interpreter>...</interpreter>. Use print() to "
-    "see values. When you are done, give the final answer inside \\boxed{} in a message without code.\n\n"
-    "{prompt}"
-)
+#: Prompt shown to the policy; ``{prompt}`` is the task's prompt field (the bare question). The text is the env
+#: settings' default (``env.tool_prompt_template``, envs/settings.py)
+PROMPT_TEMPLATE = RETOOL_PROMPT_TEMPLATE
 
 # A traceback's file line. The path runs to the next quote with no backtracking (possessive), so a
 # hostile stderr of `File "` and 64 KiB of `/tmp` is one scan, not one per character.

@@ -15,6 +15,14 @@ from typing import Any, Mapping, Optional
 from async_rl.validation import ConfigError, Rule, check_mapping, check_settings, setting, settings_as_dict, \
     settings_from_mapping
 
+#: the ReTool instruction around the question (envs/retool.py shows it; here so the settings import no env code)
+RETOOL_PROMPT_TEMPLATE = (
+    "Solve the following problem step by step. You can run Python code: write it inside <code>...</code> "
+    "and the output of the code will be shown to you inside <interpreter>...</interpreter>. Use print() to "
+    "see values. When you are done, give the final answer inside \\boxed{} in a message without code.\n\n"
+    "{prompt}"
+)
+
 TASK_ENVS = ("toy_keys", "toy_echo", "math", "retool", "webshop", "alfworld", "reasoning_gym")
 ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen", "eval_in_distribution", "eval_out_of_distribution")
 WEBSHOP_SPLITS = ("train", "test", "all")
@@ -88,9 +96,30 @@ class MathSettings(EnvSettings):
 
 @dataclass
 class SandboxSettings:
+    """``env.sandbox.*``: which sandbox runs the model's code, and its options (null: the sandbox's own default;
+    async_rl.sandbox.LocalSandbox / SandboxFusionClient)."""
+
     kind: str = setting("local", "local: our sandbox (docs/sandbox.md) | fusion: a SandboxFusion server",
                         choices=("local", "fusion"))
     url: Optional[str] = setting("http://localhost:8080", "the SandboxFusion server of kind=fusion")
+    timeout_s: Optional[float] = setting(None, "a code run's default time limit (env.code_timeout_s sets each run's)",
+                                         range="> 0")
+    memory_limit_mb: Optional[int] = setting(None, "memory limit of a code run, MiB", range=">= 1")
+    max_output_bytes: Optional[int] = setting(None, "stdout/stderr bytes kept per run", range=">= 1")
+    max_concurrency: Optional[int] = setting(None, "code runs at once", range=">= 1")
+    process_memory_mb: Optional[int] = setting(None, "local: address space of each process, MiB", range=">= 1")
+    cpu_time_limit_s: Optional[int] = setting(None, "local: CPU seconds of a run (null: from the time limit)",
+                                              range=">= 1")
+    max_processes: Optional[int] = setting(None, "local: processes a run may have", range=">= 1")
+    strict: Optional[bool] = setting(None, "local: refuse to run when a confinement layer is unavailable")
+    max_retries: Optional[int] = setting(None, "fusion: retries of a failed request", range=">= 0")
+    request_overhead_s: Optional[float] = setting(None, "fusion: seconds added to a run's limit for the request",
+                                                  range=">= 0")
+
+
+#: the sandbox options only one kind takes (the other's constructor would refuse them)
+SANDBOX_ONLY = {"local": ("process_memory_mb", "cpu_time_limit_s", "max_processes", "strict"),
+                "fusion": ("max_retries", "request_overhead_s")}
 
 
 @dataclass
@@ -111,6 +140,8 @@ class ReToolSettings(MathSettings):
                                    range="> 0")
     code_timeout_s: float = setting(10.0, "seconds one code run may take (a timeout is shown to the model)",
                                     range="> 0")
+    tool_prompt_template: Optional[str] = setting(RETOOL_PROMPT_TEMPLATE, "the ReTool instruction around the "
+                                                  "question ({prompt}); null: the question as is")
     max_observation_chars: int = setting(2048, "characters of a code run's output shown (a head and a tail)",
                                          range=">= 16")
     persist_state: bool = setting(False, "keep Python variables from one code run to the next")
@@ -172,6 +203,7 @@ class AlfWorldSettings(EnvSettings):
     max_response_tokens: int = setting(32768, "model + observation tokens of an episode", range=">= 1")
     env_timeout_s: float = setting(120.0, "any env call slower than this aborts the episode", range="> 0")
     eval_split: str = setting("eval_out_of_distribution", "the games `make eval` plays", choices=ALFWORLD_SPLITS)
+    categories: Optional[list[str]] = setting(None, "task types played (e.g. [pick_and_place_simple]); null: all")
 
 
 #: the settings class of each built-in env (conf/env/<name>.yaml mirrors it); an env of an outside module is checked
@@ -219,6 +251,13 @@ def check_env(env: Mapping[str, Any]) -> dict[str, Any]:
     if code_timeout is not None and checked["env_timeout_s"] <= code_timeout:
         raise ConfigError(f"env.env_timeout_s={checked['env_timeout_s']}: must exceed env.code_timeout_s="
                           f"{code_timeout} (a code run that times out is shown to the model, not aborted)")
+    sandbox = checked.get("sandbox")
+    if isinstance(sandbox, Mapping):
+        for kind, keys in SANDBOX_ONLY.items():
+            given = [key for key in keys if sandbox.get(key) is not None]
+            if given and sandbox.get("kind") != kind:
+                raise ConfigError(f"env.sandbox.{given[0]}={sandbox[given[0]]!r} is an option of "
+                                  f"env.sandbox.kind={kind} only (this run: {sandbox.get('kind')}); set it to null")
     goal_range = checked.get("goal_range")
     if goal_range is not None and (len(goal_range) != 2 or not 0 <= goal_range[0] < goal_range[1]):
         raise ConfigError(f"env.goal_range={goal_range}: must be [start, stop) with 0 <= start < stop")
