@@ -3,7 +3,7 @@
 RL on a policy that answers in a few tokens, with no room to compute, mostly sharpens each question's answer
 distribution towards its mode. So the most sharpening can give is the share of held-out problems whose *modal*
 sampled answer is right, which greedy decoding approximates. For the recipe's cached SFT warm start
-(``outputs/models/smollm2-sft-<dataset>``, made first if missing, as the recipe does) on the recipe's held-out items
+(``outputs/models/smollm2-sft-<dataset>-<steps>steps``, made first if missing, as the recipe does) on the recipe's held-out items
 (``--overrides`` change the task, e.g. ``env.dataset_config.max_digits=1``), this evaluates with ``async_rl.eval``:
 greedy (1 sample) and temperature 1.0 (``--samples`` samples), and from the sampled answers the share of problems
 whose most frequent answer is right. Saves ``results/<--out>.json``.

@@ -4,14 +4,14 @@ budget (issue 36, item 5).
 Every arm is the recipe as a user runs it: ``python -m async_rl.train --config-dir recipes --config-name smollm2
 algorithm=<a> seed=<s>`` in a subprocess (its output to a file), with ``trainer.driver.total_steps`` steps of the
 recipe's 16 trajectories each, so every arm trains on the same number of trajectories. All arms start from the
-recipe's cached SFT warm start (``outputs/models/smollm2-sft-<dataset>``, made first if missing, as the recipe
+recipe's cached SFT warm start (``outputs/models/smollm2-sft-<dataset>-<steps>steps``, made first if missing, as the recipe
 does). Before training, the warm start is evaluated once with ``async_rl.eval`` on the recipe's held-out items
 (``--problems`` x ``--samples`` at temperature 1.0, hf engine); after training, each arm's exported model is
 evaluated the same way. Records per arm: the success rate per step and its mean over the first and last quarter,
 pass@k before and after, Li2SAO's switch (step, on evidence or forced), seconds per training step, and the
 run's warnings. Saves ``results/smollm2_learning.json``.
 
-    .venv/bin/python benchmarks/smollm2_learning.py [--algorithms grpo lisao li2sao] [--seeds 0 1] [--steps 40]
+    .venv/bin/python benchmarks/smollm2_learning.py [--algorithms grpo lisao li2sao] [--seeds 0 1] [--steps 100]
         [--problems 50] [--samples 4] [--overrides KEY=VALUE ...] [--out smollm2_learning]
 """
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithms", nargs="+", default=["grpo", "lisao", "li2sao"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--problems", type=int, default=50)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--overrides", nargs="*", default=[], help="config overrides for every arm")

@@ -181,5 +181,5 @@ def test_the_real_model_recipe_validates_for_each_algorithm(algorithm, tmp_path)
         checked = check_run_config(cfg)
         assert checked.device == "cpu" and checked.algo.name == algorithm
         assert cfg.model.packaged == "smollm2" and cfg.env.name == "reasoning_gym"
-        assert cfg.model.sft.dir == "outputs/models/smollm2-sft-basic_arithmetic"
+        assert cfg.model.sft.dir == "outputs/models/smollm2-sft-basic_arithmetic-80steps"
         assert cfg.model.sft.lr == 1e-5  # not the tiny model's 6e-3
