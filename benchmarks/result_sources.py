@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -198,13 +199,35 @@ def written_with(name: str) -> list[str]:
     return [name]
 
 
+def recorded_commit(name: str) -> str | None:
+    """The commit a result's JSON says it was measured on (``machine.git_commit``), when that commit is in this
+    history; None for a figure without a JSON, an older result without the field, or an unknown hash."""
+    for json_name in (n for n in written_with(name) if n.endswith(".json")):
+        try:
+            data = json.loads((RESULTS / json_name).read_text())
+        except (OSError, ValueError):
+            continue
+        machine = data.get("machine") if isinstance(data, dict) else None
+        commit = machine.get("git_commit") if isinstance(machine, dict) else None
+        if isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{7,40}", commit):
+            known = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO,
+                                   capture_output=True, timeout=60)
+            if known.returncode == 0:
+                return commit
+    return None
+
+
 def commits_since_result(name: str) -> list[str]:
-    """Short hashes of the commits after the result's last commit that touch its code (newest first);
-    empty for a current result or one not committed yet. A figure counts from the newer of its own last commit
-    and its JSON's (:func:`written_with`)."""
+    """Short hashes of the commits that touch the result's code after it was measured (newest first); empty for a
+    current result or one not committed yet. It was measured at the older of its last commit and the commit its
+    JSON records (a result measured on old code and committed later is as old as that code). A figure counts from
+    the newer of its own last commit and its JSON's (:func:`written_with`)."""
     last = _git("log", "-1", "--format=%H", "--", *(f"benchmarks/results/{n}" for n in written_with(name)))
     if not last:
         return []
+    measured = recorded_commit(name)
+    if measured is not None and _git("merge-base", measured, last) == _git("rev-parse", measured):
+        last = measured  # measured on an ancestor of the commit that added the file
     out = _git("log", "--format=%h", f"{last}..HEAD", "--", *sources(name, REPO))
     return out.split()
 

@@ -94,6 +94,37 @@ def test_a_figure_redrawn_with_the_same_pixels_counts_from_its_json(tmp_path, mo
     assert set(rs.report()) == {"lone.png"}  # a figure without a JSON of its stem still needs its own rewrite
 
 
+def test_a_result_committed_after_later_code_counts_from_the_commit_it_records(tmp_path, monkeypatch):
+    """A result measured on old code (its JSON records that commit) and committed after a code change is stale, not
+    current because the file itself is newer."""
+    rs = _load()
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    monkeypatch.setattr(rs, "REPO", tmp_path)
+    monkeypatch.setattr(rs, "RESULTS", results)
+    monkeypatch.setattr(rs, "RESULT_INPUTS", {"late.json": ["code.py"], "fresh.json": ["code.py"]})
+
+    def commit(message):
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message],
+                       cwd=tmp_path, check=True)
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "code.py").write_text("v = 1\n")
+    old = commit("code v1")
+    (tmp_path / "code.py").write_text("v = 2\n")
+    new = commit("code v2")
+    (results / "late.json").write_text(json.dumps({"machine": {"git_commit": old, "git_dirty": False}}))
+    (results / "fresh.json").write_text(json.dumps({"machine": {"git_commit": new, "git_dirty": False}}))
+    commit("results")
+    assert rs.report() == {"late.json": [new]}
+    (results / "late.json").write_text(json.dumps({"machine": {"git_commit": "f" * 40}}))  # unknown: the file's date
+    commit("a hash from elsewhere")
+    assert rs.report() == {}
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
