@@ -68,6 +68,13 @@ def train_arm(algorithm: str, seed: int, steps: int, overrides: list[str], work:
             "trajectories": int(sum(row.get("train/batch_trajectories", 0) for row in rows)),
             "success_per_step": success, "success_first_quarter": first, "success_last_quarter": last,
             "response_length_mean_per_step": [row.get("train/response_length/mean") for row in rows],
+            # engine vs trainer log-probs of the sampled tokens, per step (rollout on vLLM or hf)
+            "mismatch_abs_logprob_per_step": [row.get("rollout/mismatch_abs_logprob_mean") for row in rows],
+            "policy_lag_mean_per_step": [row.get("async/policy_lag/mean") for row in rows],
+            # Li2SAO's readiness statistics against its thresholds (eta_e, eta_a): why the gate opened or not
+            "gate_per_step": {key: [row.get(f"li2sao/{key}") for row in rows]
+                              for key in ("ema_explained_var", "ema_rank_acc", "gate_counter")}
+            if algorithm == "li2sao" else None,
             "seconds_per_step": round(training_s / len(rows), 2) if training_s and rows else None,
             "wall_s": round(wall, 1), "time_s": summary.get("time_s"),
             "switch_step": summary.get("switch_step") if switch.get("ran") else None,

@@ -171,3 +171,123 @@ def test_eval_plays_the_held_out_split():
     train = make_reasoning_gym_tasks("gsm_symbolic", {}, 0, 30, 6, answer_format="hashes")
     assert name == "reasoning_gym_eval" and len(tasks) == 4
     assert not {t["question"] for t in tasks} & {t["question"] for t in train}
+
+
+@pytest.mark.parametrize("dataset, config", [("basic_arithmetic", {}), ("chain_sum", {})])
+def test_two_data_seeds_give_different_items(dataset, config):
+    # reasoning-gym seeds item i of its seed s with s + i: handed over as such, data seed 1 would repeat 49 of data
+    # seed 0's 50 items one place later (measured on basic_arithmetic); the stride leaves chance repeats only
+    first = make_reasoning_gym_tasks(dataset, config, data_seed=0, num_train=50, num_eval=0)
+    second = make_reasoning_gym_tasks(dataset, config, data_seed=1, num_train=50, num_eval=0)
+    assert len({t["question"] for t in first} & {t["question"] for t in second}) <= 2
+
+
+@pytest.mark.parametrize("written, reference, passed_on", [
+    ("28,080", "28080", "28080"), ("28,080.", "28080", "28080"), ("-1,234,567", "-1234567", "-1234567"),
+    ("42.", "42", "42"), ("3.5", "3.5", "3.5"), (" 7 ", "7", "7"),
+    ("2,80", "280", "2,80"),  # not thousands groups: as written
+    ("1,234", "1, 2", "1,234"),  # the reference is not a plain number: as written
+    ("12 apples", "12", "12 apples"), (None, "5", None),
+])
+def test_numbers_with_thousands_separators_reach_the_scorer_plain(written, reference, passed_on):
+    from async_rl.envs.reasoning_gym_env import plain_number
+
+    assert plain_number(written, reference) == passed_on
+
+
+def test_a_grouped_number_scores_full_marks_on_gsm_symbolic():
+    env = make_env("reasoning_gym", dataset="gsm_symbolic", answer_format="hashes")
+    task = _task("Ann earns $2340 a month. How much does she earn in a year?", "28080")
+    for text, reward in [("12 * 2340 = 28080\n#### 28,080", 1.0), ("#### 28,080.", 1.0), ("#### 28,081", 0.01)]:
+        env.reset(task)
+        assert env.step(text).reward == pytest.approx(reward), text
+
+
+def test_prompt_template_places_the_question_and_keeps_other_braces():
+    tasks = make_reasoning_gym_tasks("basic_arithmetic", SMALL, 0, num_train=2, num_eval=0, answer_format="boxed",
+                                     prompt_template="Solve: {question}\nAnswer in \\boxed{}. {instruction}")
+    for task in tasks:
+        assert task["prompt"].startswith("Solve: " + task["question"] + "\nAnswer in \\boxed{}. Think step by step")
+    for bad in ["no placeholder", "{problem}", 3]:
+        with pytest.raises(ValueError, match=r"must contain \{question\}"):
+            make_reasoning_gym_tasks("basic_arithmetic", SMALL, 0, num_train=2, num_eval=0, prompt_template=bad)
+
+
+def test_a_missing_package_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from async_rl.envs import reasoning_gym_env
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "reasoning_gym" else real(name, *a))
+    for call in (reasoning_gym_env.dataset_names, lambda: create_dataset("gsm_symbolic", {}, 0, 1)):
+        with pytest.raises(ImportError, match="pip install reasoning-gym==0.1.25"):
+            call()
+
+
+def _recipe(*overrides):
+    from async_rl.cli_config import compose_command_line
+    from async_rl.train import check_config
+
+    cfg = compose_command_line(["--config-dir", "recipes", "--config-name", "smollm2", *overrides])
+    check_config(cfg)
+    return cfg
+
+
+def test_the_recipe_takes_another_dataset_with_its_own_config():
+    from async_rl.validation import ConfigError
+
+    # a whole mapping replaces the recipe's basic_arithmetic one; null gives the dataset's defaults
+    assert dict(_recipe("env.dataset=gsm_symbolic", "env.dataset_config={difficulty: 1.0}").env.dataset_config) == {
+        "difficulty": 1.0}
+    assert _recipe("env.dataset=gsm_symbolic", "env.dataset_config=null").env.dataset_config is None
+    # one entry changes, or joins, the recipe's mapping
+    assert _recipe("env.dataset_config.max_digits=1").env.dataset_config.max_digits == 1
+    assert _recipe("env.dataset_config.whitespace=single").env.dataset_config.min_terms == 2
+    # the recipe's keys are not gsm_symbolic's: the error lists the valid ones and says how to replace the mapping
+    with pytest.raises(ConfigError, match=r"does not take; valid: difficulty.*env.dataset_config=\{\.\.\.\} replaces"):
+        _recipe("env.dataset=gsm_symbolic")
+    with pytest.raises(ConfigError, match="does not take"):
+        _recipe("env.dataset_config.max_digit=1")
+    with pytest.raises(ConfigError, match="no such key"):  # only a free-form mapping takes new entries
+        _recipe("env.dataset_confg={a: 1}")
+
+
+def test_hydra_gets_the_replacement_spelled_in_its_own_overrides():
+    from async_rl.cli_config import hydra_arguments
+
+    assert hydra_arguments(["--config-dir", "recipes", "env.dataset_config={difficulty: 1.0}",
+                            "env.dataset_config.max_digits=1", "+env.dataset_config.x=2", "~env.dataset_config",
+                            "env.dataset=gsm_symbolic"]) == [
+        "--config-dir", "recipes", "~env.dataset_config", "+env.dataset_config={difficulty: 1.0}",
+        "++env.dataset_config.max_digits=1", "++env.dataset_config.x=2", "~env.dataset_config",
+        "env.dataset=gsm_symbolic"]
+
+
+@pytest.mark.slow
+def test_cli_composes_a_replaced_dataset_config_through_hydra(tmp_path, capsys):
+    """Hydra itself composes the rewritten overrides: the run gets as far as the machine check (no model there)."""
+    from async_rl.train import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--config-dir", "recipes", "--config-name", "smollm2", "model=local", f"model.dir={tmp_path}/none",
+              "env.dataset=gsm_symbolic", "env.dataset_config={difficulty: 1.0}", f"trainer.output_dir={tmp_path}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no Hugging Face checkpoint" in err[0]
+
+
+def test_eval_without_the_package_says_how_to_install_it(monkeypatch, tiny_model, tmp_path, capsys):
+    import importlib.util
+    import sys
+
+    from async_rl.eval import _cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "reasoning_gym" else real(name, *a))
+    monkeypatch.setattr(sys, "argv", ["eval", f"model_dir={tiny_model}", "env=reasoning_gym", f"output_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as info:
+        _cli()
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install reasoning-gym==0.1.25" in err[0], err

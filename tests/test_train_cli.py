@@ -104,6 +104,18 @@ def test_missing_model_or_gpu_stops_at_once_with_the_cpu_variant(tmp_path):
             run(cfg)
 
 
+def test_cli_takes_model_local_with_its_dir(tmp_path, capsys):
+    """model=local's dir is ??? until the command line sets it: the key exists (a regression refused it as 'no such
+    key'), and a directory without a checkpoint stops the run in one line naming it."""
+    from async_rl.train import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["model=local", f"model.dir={tmp_path}/absent", f"trainer.output_dir={tmp_path}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path}/absent holds no Hugging Face checkpoint" in err[0], err
+
+
 def test_wandb_tables_offline(tmp_path):
     from async_rl.tracking import RunLogger
 

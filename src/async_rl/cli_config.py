@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -30,6 +31,40 @@ REPO_CONF = str(Path(__file__).resolve().parents[2] / "conf")
 #: is declared in a YAML (a new env declares its own keys in its own ``conf/env/<name>.yaml``, docs/own_env.md),
 #: so a mistyped ``+key`` cannot be accepted and then silently ignored.
 FREE_KEY_GROUPS: tuple[str, ...] = ()
+
+#: settings whose value is a free-form mapping that its owner checks (a reasoning-gym dataset's own config, against
+#: that dataset's config class). On the command line ``KEY={...}`` (or ``KEY=null``) *replaces* the mapping, so a
+#: recipe's entries for one dataset never leak into another's (Hydra alone would merge it into the recipe's mapping
+#: and refuse new entries), and ``KEY.entry=value`` sets or adds one entry.
+FREE_FORM_SETTINGS: tuple[str, ...] = ("env.dataset_config",)
+_OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][\w.]*)=(.*)$", re.DOTALL)
+
+
+def free_form_setting(key: str) -> Optional[str]:
+    """The :data:`FREE_FORM_SETTINGS` entry ``key`` is or lies under, else None."""
+    return next((name for name in FREE_FORM_SETTINGS if key == name or key.startswith(name + ".")), None)
+
+
+def hydra_lines(override_line: str) -> list[str]:
+    """The Hydra overrides that carry out ``override_line``: itself, but for a free-form setting's (see
+    :data:`FREE_FORM_SETTINGS`): ``KEY=V`` becomes ``~KEY +KEY=V`` (replace), ``KEY.entry=V`` ``++KEY.entry=V``."""
+    match = _OVERRIDE.match(override_line)
+    if match is None:
+        return [override_line]
+    key, value = match.group(2), match.group(3)
+    name = free_form_setting(key)
+    if name is None:
+        return [override_line]
+    return [f"~{name}", f"+{name}={value}"] if key == name else [f"++{key}={value}"]
+
+
+def hydra_arguments(argv: list[str]) -> list[str]:
+    """``argv`` with every override rewritten by :func:`hydra_lines` (flags and their values kept), for Hydra
+    itself once :func:`compose_command_line` has accepted ``argv``."""
+    out: list[str] = []
+    for arg in argv:
+        out.extend([arg] if arg.startswith("-") else hydra_lines(arg))
+    return out
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
@@ -101,7 +136,7 @@ def _deepest_node(cfg: DictConfig, key: str) -> tuple[str, Any]:
     """The longest existing prefix of ``key`` that is a mapping, and that node."""
     parts, node, found = key.split("."), cfg, ""
     for part in parts[:-1]:
-        if isinstance(node, DictConfig) and part in node and isinstance(node._get_node(part), DictConfig):
+        if isinstance(node, DictConfig) and part in node.keys() and isinstance(node._get_node(part), DictConfig):
             node = node._get_node(part)
             found = f"{found}.{part}" if found else part
         else:
@@ -112,7 +147,8 @@ def _deepest_node(cfg: DictConfig, key: str) -> tuple[str, Any]:
 def _has_key(cfg: DictConfig, key: str) -> bool:
     node: Any = cfg
     for part in key.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
+        # keys(), not `in node`: OmegaConf's `in` is False for a key whose value is ??? (model=local's dir)
+        if not isinstance(node, DictConfig) or part not in node.keys():
             return False
         node = node._get_node(part)
     return True
@@ -176,7 +212,7 @@ def compose_command_line(argv: list[str]) -> Optional[DictConfig]:
             if o.is_sweep_override():  # compose with a sweep's first choice: every choice was checked above
                 lines.append(f"{o.get_key_element()}={_sweep_values(o)[0]}" if _sweep_values(o) else None)
             else:
-                lines.append(o.input_line)
+                lines.extend(hydra_lines(o.input_line))
         try:
             return loader.load_configuration(config_name, [line for line in lines if line], RunMode.RUN)
         except Exception as err:  # an interpolation or merge error Hydra reports
@@ -190,6 +226,9 @@ def compose_command_line(argv: list[str]) -> Optional[DictConfig]:
         key = override.key_or_group
         if key.startswith("hydra.") or key == "hydra":
             continue
+        free = free_form_setting(key)
+        if free is not None and _has_key(base, free) and not override.is_delete():
+            continue  # its entries are checked by its owner (the env's check), with the dataset's valid keys
         exists = _has_key(base, key)
         if override.is_add() and exists:  # Hydra: "Could not append to config. An item is already at ..."
             raise ConfigError(f"{override.input_line}: {key} exists already; set it without the +: "

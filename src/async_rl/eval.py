@@ -564,7 +564,10 @@ def run_eval(cfg, env_cfg) -> dict[str, Any]:
                              "timeout to the model")
         sets = load_sets(cfg, env_cfg)
         env_factory = make_env_factory(env_cfg, max_turns)
-    except (ValueError, FileNotFoundError) as exc:
+        from async_rl.models.loading import load_tokenizer
+
+        load_tokenizer(cfg.model_dir)  # a broken tokenizer (TokenizerLoadError) is a setup error too, in one line
+    except (ValueError, FileNotFoundError, ImportError) as exc:  # ImportError: an env's package (its install line)
         raise EvalSetupError(str(exc)) from exc
 
     import torch

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 # only light modules at import time (no torch, Ray, verl or transformers): `python -m async_rl.train` composes and
 # checks the config first (async_rl.cli_config, check_config) and reports a mistake in about a second; the heavy
 # modules are imported inside the functions that build the run
-from async_rl.cli_config import REPO_CONF, compose_command_line
+from async_rl.cli_config import REPO_CONF, compose_command_line, hydra_arguments
 from async_rl.config import AlgorithmConfig, algorithm_config_from_dict, plan_for
 from async_rl.driver.settings import DriverConfig
 from async_rl.progress import Phase, ProgressLines, quiet_library_output  # noqa: F401 - train.ProgressLines, as before
@@ -61,13 +61,18 @@ def check_machine(cfg: DictConfig) -> None:
                                f"False).{hint}")
     packaged = cfg.model.get("packaged")
     if packaged:  # converted into model.dir on first use (prepare_model): the package and its reader must be there
-        from async_rl.models.packaged import check_packaged_model
+        from async_rl.models.packaged import check_packaged_model, is_materialized
 
-        check_packaged_model(packaged)
-    elif not cfg.model.build_tiny and not (Path(cfg.model.dir) / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.dir={cfg.model.dir} holds no Hugging Face checkpoint (config.json): download the model there "
-            f"(or set MODEL_DIR), or use model=tiny to build a small one locally.{hint}")
+        if not is_materialized(cfg.model.dir, packaged):  # a finished conversion needs neither (a copied folder)
+            check_packaged_model(packaged)
+    elif not cfg.model.build_tiny:
+        if not (Path(cfg.model.dir) / "config.json").exists():
+            raise FileNotFoundError(
+                f"model.dir={cfg.model.dir} holds no Hugging Face checkpoint (config.json): download the model there "
+                f"(or set MODEL_DIR), or use model=tiny to build a small one locally.{hint}")
+        from async_rl.models.loading import load_tokenizer
+
+        load_tokenizer(cfg.model.dir)  # a broken tokenizer stops the run here, in one line, not in a worker
 
 
 def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: DictConfig | None = None,
@@ -108,7 +113,10 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
     if not model_cfg.sft.enabled:
         return str(source)
     warm = Path(model_cfg.sft.get("dir") or target / "sft")  # model.sft.dir: a cache per task (the recipes)
-    if not (warm / "config.json").exists():
+    record = warm_start_record(source, model_cfg, env_name, env_cfg)
+    if (warm / "config.json").exists():
+        check_warm_start(warm, record)
+    else:
         from async_rl.models.sft import TASK_DEMO_ENVS, sft_warm_start, sft_warm_start_on_tasks
 
         # model.sft.lr: null keeps the tiny model's tuned rate (sft.DEFAULT_LR); a pretrained model needs far less
@@ -126,7 +134,49 @@ def prepare_model(model_cfg: DictConfig, env_name: str, seed: int, env_cfg: Dict
                 stats = sft_warm_start(source, warm, env_name=env_name, noise=model_cfg.sft.noise,
                                        steps=model_cfg.sft.steps, seed=seed, on_step=on_step, **lr)
         print(f"SFT warm start: {json.dumps({k: v for k, v in stats.items() if isinstance(v, (int, float))})}")
+        (warm / WARM_START_RECORD).write_text(json.dumps({**record, "seed": seed}, indent=2) + "\n")
     return str(warm)
+
+
+#: what a cached SFT warm start was made from, written into its folder (model.sft.dir) and checked on reuse
+WARM_START_RECORD = "async_rl_warm_start.json"
+
+
+def warm_start_record(source: Path, model_cfg: DictConfig, env_name: str,
+                      env_cfg: DictConfig | None) -> dict[str, Any]:
+    """What decides a warm start's weights, but for the run's seed (runs of several seeds share one warm start):
+    the base model, the SFT settings, the env and the env settings its demonstrations depend on
+    (``Demonstrations.task_settings``: reasoning-gym's dataset, its config, answer format, prompt template, ...)."""
+    from async_rl.envs.facts import env_facts
+
+    sft = OmegaConf.to_container(model_cfg.sft, resolve=True)
+    env: dict[str, Any] = {}
+    if env_cfg is not None:
+        import_env_module(env_cfg)
+        demonstrations = env_facts(env_name).demonstrations
+        for key in (demonstrations.task_settings if demonstrations is not None else ()):
+            value = env_cfg.get(key)
+            env[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        env = json.loads(json.dumps(env, default=str))  # plain values, as read back from the record
+    return {"base_model": os.path.realpath(source), "env": env_name, "env_settings": env,
+            "sft": {key: sft.get(key) for key in ("steps", "noise", "lr")}}
+
+
+def check_warm_start(warm: Path, record: dict[str, Any]) -> None:
+    """Refuse a cached warm start made for another base model, task or SFT setting (it would be reused silently); a
+    folder without a record (made before records were written) is used as it is, with a note."""
+    path = warm / WARM_START_RECORD
+    if not path.exists():
+        print(f"note: {warm} has no {WARM_START_RECORD}: using it as the warm start without checking what it was "
+              "made from (delete it to warm-start again)", flush=True)
+        return
+    made = json.loads(path.read_text())
+    differs = [key for key in record if made.get(key) != record[key]]
+    if differs:
+        key = differs[0]
+        raise ConfigError(f"model.sft.dir={warm} was warm-started for another {key.replace('_', ' ')} "
+                          f"({made.get(key)!r}, this run: {record[key]!r}); delete that folder to warm-start again, "
+                          f"or set model.sft.dir to a new folder")
 
 
 def import_env_module(env_cfg: DictConfig) -> None:
@@ -619,14 +669,15 @@ def _hydra_main(cfg: DictConfig) -> None:
         append_line(f"error: {err}")
         _config_error(err)
     from async_rl.driver.checkpoint import CheckpointError
+    from async_rl.models.loading import ModelPathError, TokenizerLoadError
     from async_rl.models.packaged import PackagedModelError
 
     try:
         with run_log():  # train.log: stdout's lines, every warning, module logger names (async_rl.run_log)
             run(cfg, checked)
-    except (ConfigError, PackagedModelError) as err:
-        # found while starting up (an env's server or sandbox, a failed conversion of model.packaged), before any
-        # model loaded
+    except (ConfigError, PackagedModelError, ModelPathError, TokenizerLoadError) as err:
+        # found while starting up (an env's server or sandbox, a failed conversion of model.packaged, a converted or
+        # warm-started directory that does not load), before any model loaded
         append_line(f"error: {err}")
         _config_error(err)
     except CheckpointError as err:
@@ -663,7 +714,7 @@ def main(argv: list[str] | None = None) -> None:
         _config_error(err)
     global _CLI_ARGV
     _CLI_ARGV = sys.argv[1:] if argv is None else list(argv)
-    sys.argv = [sys.argv[0], *args]
+    sys.argv = [sys.argv[0], *hydra_arguments(args)]  # free-form mappings replaced, as composed above
     # SIGTERM's default ends the process without any cleanup; from here on both signals end the run in one line
     # (the training loop installs its own handler: stop after the step in progress, with a checkpoint)
     previous = _install_signal_handlers(_raise_interrupted)

@@ -8,7 +8,10 @@ own ``score_answer(answer, entry) -> float in [0, 1]``. This module:
   ``(env.dataset, env.dataset_config, env.data_seed)`` and splits it by index: the first ``num_train`` are the
   training items, the rest the held-out ones, minus any whose question also occurs among the training items (small
   generators repeat questions), so the two splits never share a question. The same config gives the same items on
-  any machine: the split does not depend on the run's ``seed``, which only orders the prompt stream.
+  any machine: the split does not depend on the run's ``seed``, which only orders the prompt stream. reasoning-gym
+  seeds item ``i`` of seed ``s`` with ``s + i`` (so its seed 1 is its seed 0 moved by one item); ``data_seed`` ``d`` is
+  handed over as ``d * DATA_SEED_STRIDE``, so different data seeds give different items (up to
+  ``DATA_SEED_STRIDE`` items each).
 - **answer extraction** (``env.answer_format``), from the model's whole response, before the dataset's scorer sees
   it:
 
@@ -19,7 +22,10 @@ own ``score_answer(answer, entry) -> float in [0, 1]``. This module:
   - ``boxed``: the content of the last closed ``\\boxed{...}`` (the math grader's extractor,
     :func:`async_rl.rewards.math_reward.extract_answer`, strict).
 
-  No match gives ``None``, which every scorer rates 0 (``invalid_action`` in the step info).
+  No match gives ``None``, which every scorer rates 0 (``invalid_action`` in the step info). When the item's
+  reference answer is a plain number (``-12``, ``28080``, ``3.5``), a number written with thousands separators or a
+  closing full stop (``28,080``, ``-1,234.5``, ``42.``) is passed on in that plain form (:func:`plain_number`): the
+  scorers compare strings or parse with ``float`` and would rate it wrong; any other text is passed on as written.
 - **reward**: exactly the dataset's ``score_answer(extracted, entry)`` (some datasets give partial credit, e.g.
   ``gsm_symbolic`` 0.01 for a number that is wrong); ``success`` means a full score (>= 1).
 
@@ -48,9 +54,13 @@ FORMAT_INSTRUCTIONS = {
     "boxed": "Think step by step, then put the final answer within \\boxed{}.",
 }
 SPLITS = ("train", "eval")
+#: reasoning-gym's seed for ``env.data_seed`` d is d * this: the item streams of two data seeds never overlap
+DATA_SEED_STRIDE = 1 << 20
 INSTALL_HINT = "pip install reasoning-gym==0.1.25 (a pyproject.toml dependency: make install)"
 
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+_PLAIN_NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
+_GROUPED_NUMBER = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d+)?")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 
 
@@ -64,14 +74,14 @@ def _reasoning_gym():
 
 def dataset_names() -> list[str]:
     """Every dataset name reasoning-gym registers."""
+    _reasoning_gym()  # first: a missing package gets the install hint, not a bare ModuleNotFoundError
     from reasoning_gym.factory import DATASETS
 
-    _reasoning_gym()
     return sorted(DATASETS)
 
 
 def create_dataset(name: str, config: Optional[Mapping[str, Any]], seed: int, size: int):
-    """``reasoning_gym.create_dataset(name, seed=seed, size=size, **config)`` with errors that name the fix: an unknown
+    """``reasoning_gym.create_dataset(name, seed=seed * DATA_SEED_STRIDE, size=size, **config)`` with errors that name the fix: an unknown
     name lists the valid ones, an unknown config key lists the dataset's keys."""
     import dataclasses
 
@@ -90,9 +100,13 @@ def create_dataset(name: str, config: Optional[Mapping[str, Any]], seed: int, si
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"env.dataset_config has keys {unknown} that {name} does not take; valid: "
-                         f"{', '.join(sorted(known))}")
+                         f"{', '.join(sorted(known))}. On the command line env.dataset_config={{...}} replaces the "
+                         f"whole mapping (a recipe's, made for its own dataset, included) and env.dataset_config=null "
+                         f"gives {name}'s defaults")
+    if not 1 <= int(size) <= DATA_SEED_STRIDE:
+        raise ValueError(f"env.num_train + env.num_eval = {size} items; at most {DATA_SEED_STRIDE} (one data seed's)")
     try:
-        return rg.create_dataset(name, seed=int(seed), size=int(size), **config)
+        return rg.create_dataset(name, seed=int(seed) * DATA_SEED_STRIDE, size=int(size), **config)
     except (AssertionError, TypeError, ValueError) as err:  # the dataset's own validate()
         raise ValueError(f"env.dataset_config={config} is not valid for {name}: {err or type(err).__name__}") from err
 
@@ -113,6 +127,34 @@ def extract_answer(text: str, answer_format: str) -> Optional[str]:
     raise ValueError(f"answer_format={answer_format!r}; valid: {', '.join(ANSWER_FORMATS)}")
 
 
+def plain_number(answer: Optional[str], reference: Any) -> Optional[str]:
+    """``answer`` without thousands separators or a closing full stop when ``reference`` (the item's answer) is a plain
+    number and what remains is one (module docstring); else ``answer`` unchanged. ``"28,080"`` -> ``"28080"``."""
+    if answer is None or not _PLAIN_NUMBER.fullmatch(str(reference).strip()):
+        return answer
+    text = answer.strip()
+    if text.endswith(".") and (_PLAIN_NUMBER.fullmatch(text[:-1]) or _GROUPED_NUMBER.fullmatch(text[:-1])):
+        text = text[:-1]
+    if _GROUPED_NUMBER.fullmatch(text):
+        text = text.replace(",", "")
+    return text if _PLAIN_NUMBER.fullmatch(text) else answer
+
+
+def render_prompt(template: Optional[str], question: str, instruction: str) -> str:
+    """``template`` with ``{question}`` and ``{instruction}`` filled in (plain replacement: other braces, such as
+    ``\\boxed{}``, stay as written); None: the question, a blank line, the instruction."""
+    template = template or "{question}\n\n{instruction}"
+    return template.replace("{instruction}", instruction).replace("{question}", question)
+
+
+def check_prompt_template(template: Optional[str]) -> None:
+    """A template must place the question: ``{question}`` somewhere in it (None: the default)."""
+    if template is not None and (not isinstance(template, str) or "{question}" not in template):
+        raise ValueError(f"env.prompt_template must contain {{question}} (where the item's question goes; "
+                         f"{{instruction}} places the answer format's instruction), got {template!r}; null: the "
+                         "question, a blank line, the instruction")
+
+
 def format_answer(answer: str, answer_format: str) -> str:
     """How a response states ``answer`` in ``answer_format`` (the inverse of :func:`extract_answer`)."""
     if answer_format == "answer_tag":
@@ -130,9 +172,10 @@ def make_reasoning_gym_tasks(dataset: str, dataset_config: Optional[Mapping[str,
                              ) -> list[dict[str, Any]]:
     """The ``split`` items (``train`` or ``eval``) as task records ``{id, prompt, answer, question, index}``.
 
-    ``prompt`` is ``prompt_template.format(question=..., instruction=...)`` (default: the question, a blank line, the
-    answer format's instruction). Disjoint splits: see the module docstring.
+    ``prompt`` is ``prompt_template`` with ``{question}`` and ``{instruction}`` filled in (:func:`render_prompt`;
+    default: the question, a blank line, the answer format's instruction). Disjoint splits: see the module docstring.
     """
+    check_prompt_template(prompt_template)
     if split not in SPLITS:
         raise ValueError(f"env.split={split!r}; valid: {', '.join(SPLITS)}")
     if answer_format not in ANSWER_FORMATS:
@@ -147,12 +190,12 @@ def make_reasoning_gym_tasks(dataset: str, dataset_config: Optional[Mapping[str,
     else:
         chosen = [(i, item) for i, item in enumerate(items) if i >= num_train
                   and item["question"] not in train_questions]
-    template = prompt_template or "{question}\n\n{instruction}"
     instruction = FORMAT_INSTRUCTIONS[answer_format]
     tasks = []
     for index, item in chosen:
-        tasks.append({"id": f"{dataset}-{data_seed}-{index}", "prompt": template.format(
-            question=item["question"], instruction=instruction), "answer": str(item["answer"]),
+        tasks.append({"id": f"{dataset}-{data_seed}-{index}",
+                      "prompt": render_prompt(prompt_template, item["question"], instruction),
+                      "answer": str(item["answer"]),
             "question": item["question"], "index": index})
     return tasks
 
@@ -223,7 +266,7 @@ class ReasoningGymEnv(Env):
         if self._done:
             raise RuntimeError("ReasoningGymEnv episode is over (single turn); call reset for the next task")
         self._done = True
-        answer = extract_answer(action_text, self.answer_format)
+        answer = plain_number(extract_answer(action_text, self.answer_format), self._entry.get("answer"))
         score = float(self._data.score_answer(answer, self._entry))
         if not score == score or not 0.0 <= score <= 1.0:  # a scorer out of its documented range: clamp, never NaN
             score = 0.0 if score != score else min(max(score, 0.0), 1.0)
@@ -288,10 +331,14 @@ def _worked_solution_policy(env, task: dict[str, Any], noisy: bool, rng: random.
 
 REASONING_GYM_DEMONSTRATIONS = Demonstrations(
     policy=_worked_solution_policy, think_fillers=False,
+    task_settings=("dataset", "dataset_config", "data_seed", "num_train", "num_eval", "answer_format",
+                   "prompt_template"),
     sft_defaults={"noise": 0.5, "steps": 60, "clean_fraction": 0.5, "num_demos": 128, "batch_size": 4})
 
 def _check_config(env_cfg: Any) -> None:
-    """Before any model loads: the dataset name, its config keys and the answer format (builds a one-item dataset)."""
+    """Before any model loads: the dataset name, its config keys and the prompt template (builds a one-item
+    dataset)."""
+    check_prompt_template(env_cfg.get("prompt_template"))
     create_dataset(env_cfg.get("dataset"), _to_plain(env_cfg.get("dataset_config")), 0, 1)
 
 

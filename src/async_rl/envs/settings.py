@@ -173,7 +173,7 @@ class WebShopSettings(EnvSettings):
 
 @dataclass
 class ReasoningGymSettings(EnvSettings):
-    """Any reasoning-gym dataset, scored by its own scorer (envs/reasoning_gym_env.py, docs/reasoning_gym.md)."""
+    """Any reasoning-gym dataset, scored by its own scorer (envs/reasoning_gym_env.py, docs/tasks.md)."""
 
     name: str = setting("reasoning_gym", "reasoning_gym: a procedural dataset of the reasoning-gym package",
                         choices=("reasoning_gym",))

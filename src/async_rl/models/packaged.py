@@ -131,8 +131,12 @@ def materialize_packaged_model(name: str, out_dir: str | os.PathLike,
     spec = packaged_model(name)
     gguf_path = check_packaged_model(name)
     if out.exists() and any(out.iterdir()):
-        if (out / MARKER).exists() or (out / "config.json").exists():  # an older conversion: redo it
-            progress(f"{out} holds an older or incomplete conversion of {name}: converting again")
+        if (out / MARKER).exists():  # our own conversion, of an older version or another packaged model: redo it
+            progress(f"{out} holds an older conversion ({MARKER}): converting {name} again")
+        elif (out / "config.json").exists():  # someone's checkpoint (a trained export, a download): never replaced
+            raise PackagedModelError(f"model.packaged={name}: {out} holds a model that is not a conversion of the "
+                                     f"package (no {MARKER}); to train that model use model=local model.dir={out}, "
+                                     f"or set model.dir to an empty or new folder for {name}")
         else:
             raise PackagedModelError(f"model.packaged={name}: {out} exists and holds other files; move it away or "
                                      f"set model.dir to an empty or new folder")
