@@ -182,6 +182,27 @@ def test_two_data_seeds_give_different_items(dataset, config):
     assert len({t["question"] for t in first} & {t["question"] for t in second}) <= 2
 
 
+def ReasoningGymYaml() -> dict:
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "env" / "reasoning_gym.yaml"
+    return OmegaConf.to_container(OmegaConf.load(conf))
+
+
+def test_data_seeds_stay_within_numpys_seeds():
+    # pool_matrix hands seed + index to numpy (seeds below 2**32): the largest data seed still generates
+    assert len(make_reasoning_gym_tasks("pool_matrix", {}, data_seed=4095, num_train=2, num_eval=1)) == 2
+    with pytest.raises(ValueError, match=r"env.data_seed=4096: must be in \[0, 4095\]"):
+        create_dataset("pool_matrix", {}, 4096, 2)
+    from async_rl.envs.settings import check_env
+    from async_rl.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="data_seed=4096"):
+        check_env({**ReasoningGymYaml(), "data_seed": 4096})
+
+
 @pytest.mark.parametrize("written, reference, passed_on", [
     ("28,080", "28080", "28080"), ("28,080.", "28080", "28080"), ("-1,234,567", "-1234567", "-1234567"),
     ("42.", "42", "42"), ("3.5", "3.5", "3.5"), (" 7 ", "7", "7"),
@@ -249,6 +270,13 @@ def test_the_recipe_takes_another_dataset_with_its_own_config():
         _recipe("env.dataset=gsm_symbolic")
     with pytest.raises(ConfigError, match="does not take"):
         _recipe("env.dataset_config.max_digit=1")
+    # whatever the mapping is when replaced: null, deleted, or given twice
+    for first in ("env.dataset_config=null", "~env.dataset_config", "env.dataset_config={a: 1}"):
+        cfg = _recipe(first, "env.dataset=gsm_symbolic", "env.dataset_config={difficulty: 1.0}")
+        assert dict(cfg.env.dataset_config) == {"difficulty": 1.0}, first
+    assert dict(_recipe("env.dataset_config=null", "env.dataset_config.max_digits=1").env.dataset_config) == {
+        "max_digits": 1}
+    assert "max_terms" not in _recipe("~env.dataset_config.max_terms", "~env.dataset_config.min_terms").env.dataset_config
     with pytest.raises(ConfigError, match="no such key"):  # only a free-form mapping takes new entries
         _recipe("env.dataset_confg={a: 1}")
 
@@ -259,7 +287,7 @@ def test_hydra_gets_the_replacement_spelled_in_its_own_overrides():
     assert hydra_arguments(["--config-dir", "recipes", "env.dataset_config={difficulty: 1.0}",
                             "env.dataset_config.max_digits=1", "+env.dataset_config.x=2", "~env.dataset_config",
                             "env.dataset=gsm_symbolic"]) == [
-        "--config-dir", "recipes", "~env.dataset_config", "+env.dataset_config={difficulty: 1.0}",
+        "--config-dir", "recipes", "++env.dataset_config=null", "++env.dataset_config={difficulty: 1.0}",
         "++env.dataset_config.max_digits=1", "++env.dataset_config.x=2", "~env.dataset_config",
         "env.dataset=gsm_symbolic"]
 
@@ -291,3 +319,15 @@ def test_eval_without_the_package_says_how_to_install_it(monkeypatch, tiny_model
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install reasoning-gym==0.1.25" in err[0], err
+
+
+def test_eval_replaces_a_dataset_config_as_training_does():
+    from async_rl.eval import parse_args
+
+    _, env_cfg = parse_args(["model_dir=/m", "env=reasoning_gym", "env.dataset=basic_arithmetic",
+                             "env.dataset_config={min_terms: 2, max_terms: 2}", "env.dataset_config={max_digits: 1}",
+                             "env.dataset_config.min_digits=1"])
+    assert dict(env_cfg.dataset_config) == {"max_digits": 1, "min_digits": 1}
+    _, env_cfg = parse_args(["model_dir=/m", "env=reasoning_gym", "env.dataset_config={a: 1}",
+                             "env.dataset_config=null"])
+    assert env_cfg.dataset_config is None

@@ -126,6 +126,19 @@ def test_someone_elses_checkpoint_is_never_replaced(fake_package, tiny_model, tm
     with pytest.raises(PackagedModelError, match=f"not a conversion of the package.*model=local model.dir={out}"):
         materialize_packaged_model("smollm2", out, progress=lambda line: None)
     assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before
+    # the run's machine check says so first, even where the package is missing (its fix is not an install)
+    from omegaconf import OmegaConf
+
+    from async_rl.train import check_machine
+
+    spec = dataclasses.replace(packaged.PACKAGED_MODELS["smollm2"], module="async_rl_no_such_package_36")
+    packaged.PACKAGED_MODELS["smollm2"] = spec  # fake_package's monkeypatch restores the entry
+    cfg = OmegaConf.create({"trainer": {}, "model": {"packaged": "smollm2", "dir": str(out), "build_tiny": False}})
+    with pytest.raises(PackagedModelError, match="model=local model.dir="):
+        check_machine(cfg)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(PackagedModelError, match="is a file"):
+        materialize_packaged_model("smollm2", tmp_path / "a-file")
 
 
 def test_a_finished_conversion_runs_without_the_package(monkeypatch, tiny_model, tmp_path):

@@ -47,10 +47,14 @@ def test_another_task_or_sft_setting_is_refused_naming_the_fix(tmp_path, change,
     assert "\n" not in message and f"for another {named}" in message and "delete that folder" in message
 
 
-def test_another_base_model_is_refused(tmp_path):
+def test_another_base_model_is_refused_and_a_moved_one_is_not(tmp_path):
+    for name, width in (("base", 64), ("other-base", 128), ("moved/base", 64)):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text(json.dumps({"hidden_size": width}))
     warm = _made(tmp_path, _record(tmp_path / "base"))
     with pytest.raises(ConfigError, match="another base model"):
         check_warm_start(warm, _record(tmp_path / "other-base"))
+    check_warm_start(warm, _record(tmp_path / "moved" / "base"))  # the same model by content, elsewhere
 
 
 def test_a_folder_from_before_the_records_is_used_with_a_note(tmp_path, capsys):

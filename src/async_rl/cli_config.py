@@ -47,7 +47,8 @@ def free_form_setting(key: str) -> Optional[str]:
 
 def hydra_lines(override_line: str) -> list[str]:
     """The Hydra overrides that carry out ``override_line``: itself, but for a free-form setting's (see
-    :data:`FREE_FORM_SETTINGS`): ``KEY=V`` becomes ``~KEY +KEY=V`` (replace), ``KEY.entry=V`` ``++KEY.entry=V``."""
+    :data:`FREE_FORM_SETTINGS`): ``KEY=V`` becomes ``++KEY=null ++KEY=V`` (replace: set to null first, which works
+    whether the mapping is there, null or deleted), ``KEY.entry=V`` ``++KEY.entry=V``."""
     match = _OVERRIDE.match(override_line)
     if match is None:
         return [override_line]
@@ -55,7 +56,7 @@ def hydra_lines(override_line: str) -> list[str]:
     name = free_form_setting(key)
     if name is None:
         return [override_line]
-    return [f"~{name}", f"+{name}={value}"] if key == name else [f"++{key}={value}"]
+    return [f"++{name}=null", f"++{name}={value}"] if key == name else [f"++{key}={value}"]
 
 
 def hydra_arguments(argv: list[str]) -> list[str]:
@@ -227,7 +228,7 @@ def compose_command_line(argv: list[str]) -> Optional[DictConfig]:
         if key.startswith("hydra.") or key == "hydra":
             continue
         free = free_form_setting(key)
-        if free is not None and _has_key(base, free) and not override.is_delete():
+        if free is not None and _has_key(base, free) and (key != free or not override.is_delete()):
             continue  # its entries are checked by its owner (the env's check), with the dataset's valid keys
         exists = _has_key(base, key)
         if override.is_add() and exists:  # Hydra: "Could not append to config. An item is already at ..."

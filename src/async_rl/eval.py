@@ -345,11 +345,16 @@ def parse_args(argv: Sequence[str]):
              "overrides a key")
     else:
         env_cfg = _load_env_cfg(cfg.env)
-    if env_items:
+    from async_rl.cli_config import FREE_FORM_SETTINGS
+
+    for item in env_items:  # in order; a free-form mapping (env.dataset_config={...}) replaces, as in training
         try:
-            env_cfg = OmegaConf.merge(env_cfg, OmegaConf.from_dotlist(env_items))
+            given = OmegaConf.from_dotlist([item])
+            if f"env.{item.split('=', 1)[0]}" in FREE_FORM_SETTINGS and item.split("=", 1)[0] in env_cfg:
+                env_cfg[item.split("=", 1)[0]] = None
+            env_cfg = OmegaConf.merge(env_cfg, given)
         except OmegaConfBaseException as exc:
-            raise ValueError(f"bad env override in {['env.' + i for i in env_items]}: {exc}") from exc
+            raise ValueError(f"bad env override env.{item}: {exc}") from exc
     if cfg.output_dir is None:
         cfg.output_dir = str(choice.run_dir / "eval") if choice.run_dir is not None else "outputs/eval"
     return cfg, env_cfg

@@ -61,9 +61,10 @@ def check_machine(cfg: DictConfig) -> None:
                                f"False).{hint}")
     packaged = cfg.model.get("packaged")
     if packaged:  # converted into model.dir on first use (prepare_model): the package and its reader must be there
-        from async_rl.models.packaged import check_packaged_model, is_materialized
+        from async_rl.models.packaged import check_packaged_model, is_materialized, refuse_foreign_checkpoint
 
         if not is_materialized(cfg.model.dir, packaged):  # a finished conversion needs neither (a copied folder)
+            refuse_foreign_checkpoint(packaged, Path(cfg.model.dir))
             check_packaged_model(packaged)
     elif not cfg.model.build_tiny:
         if not (Path(cfg.model.dir) / "config.json").exists():
@@ -158,7 +159,10 @@ def warm_start_record(source: Path, model_cfg: DictConfig, env_name: str,
             value = env_cfg.get(key)
             env[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
         env = json.loads(json.dumps(env, default=str))  # plain values, as read back from the record
-    return {"base_model": os.path.realpath(source), "env": env_name, "env_settings": env,
+    from async_rl.run_dir import model_identity
+
+    # the base model by content (its config and weight files), not its path: a moved or copied folder still matches
+    return {"base_model": model_identity(source)["fingerprint"], "env": env_name, "env_settings": env,
             "sft": {key: sft.get(key) for key in ("steps", "noise", "lr")}}
 
 

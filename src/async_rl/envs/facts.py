@@ -25,7 +25,7 @@ class Demonstrations:
     think_fillers: bool = True  # an assistant message may open with a <think> filler
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)  # added to the run's env kwargs while scripting
     # env config keys that decide the scripted episodes: a warm start cached in model.sft.dir is reused only for the
-    # same values (train.check_warm_start)
+    # same values (train.check_warm_start); empty (every env but reasoning_gym so far): only the env's name counts
     task_settings: tuple[str, ...] = ()
 
 

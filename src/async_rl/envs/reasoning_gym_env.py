@@ -54,8 +54,10 @@ FORMAT_INSTRUCTIONS = {
     "boxed": "Think step by step, then put the final answer within \\boxed{}.",
 }
 SPLITS = ("train", "eval")
-#: reasoning-gym's seed for ``env.data_seed`` d is d * this: the item streams of two data seeds never overlap
+#: reasoning-gym's seed for ``env.data_seed`` d is d * this: the item streams of two data seeds never overlap. Some
+#: generators hand seed + index to numpy, which takes seeds below 2**32: so d < 4096 (MAX_DATA_SEED)
 DATA_SEED_STRIDE = 1 << 20
+MAX_DATA_SEED = (1 << 32) // DATA_SEED_STRIDE - 1
 INSTALL_HINT = "pip install reasoning-gym==0.1.25 (a pyproject.toml dependency: make install)"
 
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
@@ -105,6 +107,8 @@ def create_dataset(name: str, config: Optional[Mapping[str, Any]], seed: int, si
                          f"gives {name}'s defaults")
     if not 1 <= int(size) <= DATA_SEED_STRIDE:
         raise ValueError(f"env.num_train + env.num_eval = {size} items; at most {DATA_SEED_STRIDE} (one data seed's)")
+    if isinstance(seed, bool) or not 0 <= int(seed) <= MAX_DATA_SEED:
+        raise ValueError(f"env.data_seed={seed}: must be in [0, {MAX_DATA_SEED}]")
     try:
         return rg.create_dataset(name, seed=int(seed) * DATA_SEED_STRIDE, size=int(size), **config)
     except (AssertionError, TypeError, ValueError) as err:  # the dataset's own validate()
@@ -339,7 +343,8 @@ def _check_config(env_cfg: Any) -> None:
     """Before any model loads: the dataset name, its config keys and the prompt template (builds a one-item
     dataset)."""
     check_prompt_template(env_cfg.get("prompt_template"))
-    create_dataset(env_cfg.get("dataset"), _to_plain(env_cfg.get("dataset_config")), 0, 1)
+    create_dataset(env_cfg.get("dataset"), _to_plain(env_cfg.get("dataset_config")),
+                   int(env_cfg.get("data_seed") or 0), 1)
 
 
 register_env_facts("reasoning_gym", EnvFacts(make_tasks=_tasks_from_config, env_kwargs=reasoning_gym_env_kwargs,

@@ -179,7 +179,7 @@ class ReasoningGymSettings(EnvSettings):
                         choices=("reasoning_gym",))
     dataset: str = setting("gsm_symbolic", "the dataset's name (checked against the package)", non_empty=True)
     dataset_config: Optional[dict] = setting({}, "the dataset's own settings, e.g. {max_digits: 1}")
-    data_seed: int = setting(0, "seed of the generated items", range=">= 0")
+    data_seed: int = setting(0, "seed of the generated items (each seed its own items)", range="[0, 4095]")
     num_train: int = setting(1000, "training items", range=">= 1")
     num_eval: int = setting(100, "held-out items (disjoint from the training ones)", range=">= 0")
     split: str = setting("train", "the items trained on", choices=("train", "eval"))

@@ -114,6 +114,22 @@ def is_materialized(out_dir: str | os.PathLike, name: Optional[str] = None) -> b
             and (name is None or info.get("packaged") == name) and (Path(out_dir) / "config.json").is_file())
 
 
+def refuse_foreign_checkpoint(name: str, out: Path) -> None:
+    """A ``model.dir`` that is neither empty nor one of our conversions is never replaced: a checkpoint without the
+    marker (a trained export, a download) or other files stop the run with one line naming the fix."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise PackagedModelError(f"model.packaged={name}: model.dir={out} is a file; set model.dir to a folder")
+    if not out.is_dir() or not any(out.iterdir()) or (out / MARKER).exists():
+        return
+    if (out / "config.json").exists():
+        raise PackagedModelError(f"model.packaged={name}: {out} holds a model that is not a conversion of the "
+                                 f"package (no {MARKER}); to train that model use model=local model.dir={out}, "
+                                 f"or set model.dir to an empty or new folder for {name}")
+    raise PackagedModelError(f"model.packaged={name}: {out} exists and holds other files; move it away or "
+                             f"set model.dir to an empty or new folder")
+
+
 def materialize_packaged_model(name: str, out_dir: str | os.PathLike,
                                progress: Callable[[str], None] = print) -> Path:
     """Convert the packaged model ``name`` into the Hugging Face directory ``out_dir`` unless it is already there.
@@ -129,17 +145,10 @@ def materialize_packaged_model(name: str, out_dir: str | os.PathLike,
     if is_materialized(out, name):
         return out
     spec = packaged_model(name)
+    refuse_foreign_checkpoint(name, out)  # before the package check: its fix is another folder, not an install
     gguf_path = check_packaged_model(name)
-    if out.exists() and any(out.iterdir()):
-        if (out / MARKER).exists():  # our own conversion, of an older version or another packaged model: redo it
-            progress(f"{out} holds an older conversion ({MARKER}): converting {name} again")
-        elif (out / "config.json").exists():  # someone's checkpoint (a trained export, a download): never replaced
-            raise PackagedModelError(f"model.packaged={name}: {out} holds a model that is not a conversion of the "
-                                     f"package (no {MARKER}); to train that model use model=local model.dir={out}, "
-                                     f"or set model.dir to an empty or new folder for {name}")
-        else:
-            raise PackagedModelError(f"model.packaged={name}: {out} exists and holds other files; move it away or "
-                                     f"set model.dir to an empty or new folder")
+    if out.exists() and any(out.iterdir()):  # our own conversion, of an older version or another packaged model
+        progress(f"{out} holds an older conversion ({MARKER}): converting {name} again")
     size_mb = gguf_path.stat().st_size / 2 ** 20
     progress(f"materializing {spec.description} from {gguf_path} ({size_mb:.0f} MB) into {out} "
              f"(once; about 1-2 minutes on a CPU)")
