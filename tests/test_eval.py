@@ -291,8 +291,11 @@ def test_missing_math_data_falls_back_to_the_shipped_mini_sets(tmp_path, monkeyp
     cfg, env_cfg = parse_args(["model_dir=/m", "env=math", f"runs_dir={tmp_path}"])
     assert cfg.fallback_to_mini_sets
     sets = load_sets(cfg, env_cfg)
-    assert [name for name, _ in sets] == ["aime_2024_mini"] and len(sets[0][1]) == 5
+    # the AIME mini set, and CHAMP's 79 integer-answer problems from its package (a pyproject dependency)
+    assert [name for name, _ in sets] == ["aime_2024_mini", "champ"] and len(sets[0][1]) == 5
+    assert len(sets[1][1]) == 79 and all(str(int(task["answer"])) == task["answer"] for task in sets[1][1])
     err = capsys.readouterr().err
+    assert "CHAMP's 79 integer-answer competition problems" in err
     assert "none of env.eval_sets exists" in err and "data/aime/aime_2024.jsonl" in err
     assert "Evaluating the mini sets shipped in recipes/data/" in err
     assert "env.allow_hub=true" in err and "load_dataset('HuggingFaceH4/aime_2024'" in err
